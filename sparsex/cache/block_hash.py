@@ -1,0 +1,52 @@
+"""Content hashes of KV blocks and segments (xxh3-128), domain-separated so a prefix-block hash can
+never equal a segment hash. A hash only finds a candidate: every hit is verified against the stored
+token ids (and, for blocks, the identity of the parent block), so a forced collision never reuses KV."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+_PREFIX_DOMAIN = b"sparsex/prefix-block/v1\x00"
+_SEGMENT_DOMAIN = b"sparsex/segment/v1\x00"
+_NONE_PARENT = b"\x00" * 16
+
+
+@dataclass(frozen=True)
+class BlockHash:
+    value: bytes                      # 16-byte digest of (parent, token_ids, extra_keys)
+    token_ids: tuple[int, ...]        # kept for verification on hit
+    extra_keys: tuple = ()
+
+
+def _salt_bytes(cache_salt: str | None) -> bytes:
+    return b"" if cache_salt is None else b"salt:" + cache_salt.encode("utf-8") + b"\x00"
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: tuple[int, ...], extra_keys: tuple = ()) -> BlockHash:
+    h = xxhash.xxh3_128(_PREFIX_DOMAIN)
+    h.update(parent.value if parent is not None else _NONE_PARENT)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    for key in extra_keys:
+        h.update(repr(key).encode("utf-8") + b"\x00")
+    return BlockHash(h.digest(), token_ids, extra_keys)
+
+
+def compute_block_hashes(token_ids: list[int], block_size: int, cache_salt: str | None,
+                         parent: BlockHash | None = None, start: int = 0) -> list[BlockHash]:
+    """Hashes of the full blocks of `token_ids[start:]` (start is block-aligned), chained from `parent`.
+    The salt is an extra key of the first block only: every later hash inherits it through the chain."""
+    hashes = []
+    for i in range(start, len(token_ids) - block_size + 1, block_size):
+        extra = (("cache_salt", cache_salt),) if (i == 0 and cache_salt is not None) else ()
+        parent = hash_block_tokens(parent, tuple(token_ids[i:i + block_size]), extra)
+        hashes.append(parent)
+    return hashes
+
+
+def hash_segment(token_ids: list[int] | tuple[int, ...], cache_salt: str | None) -> bytes:
+    h = xxhash.xxh3_128(_SEGMENT_DOMAIN)
+    h.update(_salt_bytes(cache_salt))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.digest()

@@ -1,0 +1,104 @@
+"""Gives requests KV blocks: prefix-cache lookups, slot allocation, freeing, registering full blocks.
+
+A request's block table is append-only and laid out by position (block i holds positions
+[i*block_size, (i+1)*block_size)). Only *exact* blocks are registered in the prefix cache: a block
+that holds (or follows) approximately reused KV is never served as an exact prefix hit.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from sparsex.cache.block_hash import compute_block_hashes
+from sparsex.cache.block_pool import BlockPool, KVCacheBlock
+from sparsex.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        # asked to release pinned blocks (segment entries) when the free queue runs dry: (n) -> released
+        self.reclaim: Callable[[int], int] | None = None
+        # counters (tokens), kept by the scheduler on admission
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # ---- prefix cache -----------------------------------------------------------------------
+    def update_block_hashes(self, req: Request) -> None:
+        """Extend the request's hash chain over its full blocks (prompt and generated tokens)."""
+        n_full = req.num_tokens // self.block_size
+        if len(req.block_hashes) < n_full:
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            req.block_hashes.extend(compute_block_hashes(
+                req.all_token_ids[: n_full * self.block_size], self.block_size, req.cache_salt,
+                parent=parent, start=len(req.block_hashes) * self.block_size))
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest verified prefix hit. At least one token is always left to compute (its logits are needed)."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        self.update_block_hashes(req)
+        max_hit_blocks = (req.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        parent = None
+        for block_hash in req.block_hashes[:max_hit_blocks]:
+            block = self.pool.lookup(block_hash, parent)
+            if block is None:
+                break
+            hits.append(block)
+            parent = block
+        return hits, len(hits) * self.block_size
+
+    # ---- allocation -------------------------------------------------------------------------
+    def can_allocate(self, num_blocks: int) -> bool:
+        if num_blocks <= self.pool.num_free_blocks:
+            return True
+        if self.reclaim is not None:
+            self.reclaim(num_blocks - self.pool.num_free_blocks)
+        return num_blocks <= self.pool.num_free_blocks
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None = None) -> bool:
+        """Make room for `num_new_tokens` more tokens after the (hit-extended) computed ones.
+        Returns False and changes nothing when the pool cannot supply the blocks."""
+        hits = new_computed_blocks or []
+        total = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        num_new_blocks = cdiv(total, self.block_size) - len(req.blocks) - len(hits)
+        # hit blocks sitting in the free queue stop being allocatable once we take them
+        evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        if num_new_blocks > 0 and not self.can_allocate(num_new_blocks + evictable_hits):
+            return False
+        self.pool.touch(hits)
+        req.blocks.extend(hits)
+        if num_new_blocks > 0:
+            req.blocks.extend(self.pool.get_new_blocks(num_new_blocks))
+        return True
+
+    def free(self, req: Request) -> None:
+        self.pool.free_blocks(list(reversed(req.blocks)))
+        req.blocks = []
+
+    def cache_blocks(self, req: Request, num_exact_tokens: int) -> None:
+        """Register the request's full blocks below `num_exact_tokens` (already computed, exact KV)."""
+        if not self.enable_prefix_caching:
+            return
+        self.update_block_hashes(req)
+        n = min(num_exact_tokens, req.num_computed_tokens) // self.block_size
+        parent = None
+        for i in range(min(n, len(req.block_hashes), len(req.blocks))):
+            block = req.blocks[i]
+            self.pool.cache_block(block, req.block_hashes[i], parent)
+            parent = block
+
+    def slot(self, req: Request, position: int) -> int:
+        return req.blocks[position // self.block_size].block_id * self.block_size + position % self.block_size
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests or segment entries."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks

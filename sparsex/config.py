@@ -1,0 +1,93 @@
+"""Engine configuration: every knob of `LLM(...)` / `sparsex serve`, validated up front."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+CACHE_MODES = ("none", "prefix", "sparsex")
+SELECTORS = ("sparse_q", "kv_deviation", "boundary", "random", "none", "all")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class ReuseConfig:
+    """Segment-reuse knobs (engine defaults; each can be overridden per request)."""
+    full_layers: int = 2                 # layers 0..full_layers-1 run every token
+    recompute_ratio: float = 0.15        # share of reused tokens recomputed in the sparse layers
+    selector: str = "sparse_q"
+    boundary_tokens: int = 0             # also recompute the first k tokens of each reused segment
+    min_segment_tokens: int = 16         # shorter pieces are not worth indexing
+
+    def verify(self, num_layers: int | None = None) -> None:
+        if self.selector not in SELECTORS:
+            raise ValueError(f"unknown selector {self.selector!r}; choose one of {SELECTORS}")
+        if not isinstance(self.full_layers, int) or self.full_layers < 0:
+            raise ValueError(f"full_layers must be an integer >= 0, got {self.full_layers!r}")
+        if num_layers is not None and self.full_layers > num_layers:
+            raise ValueError(f"full_layers={self.full_layers} exceeds the model's {num_layers} layers")
+        if not isinstance(self.recompute_ratio, (int, float)) or not 0.0 <= self.recompute_ratio <= 1.0:
+            raise ValueError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio!r}")
+        if not isinstance(self.boundary_tokens, int) or self.boundary_tokens < 0:
+            raise ValueError(f"boundary_tokens must be an integer >= 0, got {self.boundary_tokens!r}")
+        if not isinstance(self.min_segment_tokens, int) or self.min_segment_tokens < 1:
+            raise ValueError(f"min_segment_tokens must be an integer >= 1, got {self.min_segment_tokens!r}")
+        if self.selector in ("sparse_q", "kv_deviation") and self.full_layers < 1:
+            raise ValueError(f"selector {self.selector!r} scores tokens with a full layer: full_layers must be >= 1")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m-instruct"
+    dtype: str | torch.dtype = "float32"
+    device: str = "cpu"
+    cache: str = "prefix"                # "none" | "prefix" | "sparsex"
+    seed: int = 0
+    block_size: int = 16
+    num_blocks: int | None = None        # explicit pool size; else sized from kv_cache_memory
+    kv_cache_memory: int = 1 << 30       # bytes for the KV pool when num_blocks is not given
+    max_model_len: int | None = None     # default: the model's max_position_embeddings
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 64
+    segment_eviction: str = "lru"        # "lru" | "frequency"
+    reuse: ReuseConfig | None = None
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        self.torch_dtype = parse_dtype(self.dtype)
+        if self.reuse is None:
+            self.reuse = ReuseConfig()
+        if self.cache not in CACHE_MODES:
+            raise ValueError(f"unknown cache mode {self.cache!r}; choose one of {CACHE_MODES}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size!r}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks!r}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory!r}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
+        if self.segment_eviction not in ("lru", "frequency"):
+            raise ValueError(f"segment_eviction must be 'lru' or 'frequency', got {self.segment_eviction!r}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        self.reuse.verify()
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.cache in ("prefix", "sparsex")
+
+    @property
+    def enable_segment_reuse(self) -> bool:
+        return self.cache == "sparsex"

@@ -1,0 +1,34 @@
+"""What one forward pass needs besides token ids: attention metadata, KV caches, backend, and
+SparseX's hooks (a probe that observes a full layer, a row selector that drops rows between layers)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from sparsex.layers.attention_metadata import AttentionMetadata
+
+
+class RowSelector(Protocol):
+    layers: frozenset[int]   # layer indices before which rows are selected
+
+    def __call__(self, layer_idx: int, ctx: "ForwardContext") -> torch.Tensor | None:
+        """Row indices (sorted, int64) to keep from here on, or None to keep all."""
+
+
+# probe(layer_idx, q, k, v, k_cache, v_cache, ctx): called before this layer stores its K/V
+Probe = Callable[..., None]
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]   # per layer (k_cache, v_cache)
+    backend: object
+    probe_layers: frozenset[int] = frozenset()
+    probe: Probe | None = None
+    row_selector: RowSelector | None = None
+    # rows kept so far, as indices into the step's original rows (None: all rows)
+    kept_rows: torch.Tensor | None = None
+    extras: dict = field(default_factory=dict)

@@ -1,0 +1,279 @@
+"""The engine: takes requests, runs scheduler steps on the model, returns incremental outputs.
+
+    add_request(id, prompt, params) -> validates, tokenizes, queues (ValueError before queuing)
+    step()                          -> one batch on the model; RequestOutputs of requests that moved
+    abort_request(id)               -> drops the request and frees its blocks at once
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from sparsex.cache.kv_cache_manager import KVCacheManager, cdiv
+from sparsex.config import EngineConfig, ReuseConfig
+from sparsex.engine.model_runner import ModelRunner
+from sparsex.engine.request import Request, RequestStatus
+from sparsex.engine.scheduler import Scheduler
+from sparsex.entrypoints.chat_utils import TokenizedPrompt, chat_prompt, parse_prompt
+from sparsex.models.loader import load_model
+from sparsex.outputs import CompletionOutput, RequestOutput
+from sparsex.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float            # share of blocks held by requests or segment entries
+    num_blocks: int
+    prefix_cache_queries: int        # tokens looked up
+    prefix_cache_hits: int           # tokens hit
+    segment_cache_queries: int = 0   # tokens of reusable segments looked up
+    segment_cache_hits: int = 0      # tokens served from the segment cache
+    recomputed_tokens: int = 0       # reused tokens recomputed in sparse layers
+    selection_seconds: float = 0.0
+    num_preemptions: int = 0
+    num_segment_entries: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        loaded = load_model(config.model, dtype=torch.float32, cache_dir=config.cache_dir, seed=config.seed)
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.model_config = loaded.config
+        eos = self.tokenizer.eos_token_id
+        self.eos_token_ids = tuple(loaded.config.eos_token_ids) or ((eos,) if eos is not None else ())
+        config.reuse.verify(loaded.config.num_hidden_layers)
+        self.max_model_len = config.max_model_len or loaded.config.max_position_embeddings
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(config, loaded, self.max_model_len)
+        del loaded
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.segment_index = None
+        planner = None
+        if config.enable_segment_reuse:
+            from sparsex.segment.blender import Blender
+            from sparsex.segment.segment_index import SegmentIndex
+            self.segment_index = SegmentIndex(self.kv.pool, config.block_size, policy=config.segment_eviction)
+            self.kv.reclaim = self.segment_index.evict_blocks
+            self.runner.blender = Blender(config, self.runner.model, self.segment_index, self.kv)
+            planner = self.runner.blender
+        self.scheduler = Scheduler(config, self.kv, planner)
+        self.requests: dict[str, Request] = {}
+        self.parents: dict[str, list[str]] = {}          # n > 1: parent id -> child ids
+
+    # ---- requests ---------------------------------------------------------------------------
+    def tokenize(self, prompt: Any) -> TokenizedPrompt:
+        return parse_prompt(self.tokenizer, prompt, self.model_config.vocab_size)
+
+    def chat_to_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                       cache_salt: str | None = None, tools: list[dict] | None = None) -> TokenizedPrompt:
+        return chat_prompt(self.tokenizer, messages, self.model_config.vocab_size, add_generation_prompt, cache_salt, tools)
+
+    def _reuse_for(self, overrides: dict | None) -> ReuseConfig | None:
+        if not self.config.enable_segment_reuse:
+            return None
+        if not overrides:
+            return self.config.reuse
+        fields = {f.name for f in dataclasses.fields(ReuseConfig)}
+        unknown = set(overrides) - fields
+        if unknown:
+            raise ValueError(f"unknown segment-reuse option(s) {sorted(unknown)}; known: {sorted(fields)}")
+        reuse = dataclasses.replace(self.config.reuse, **overrides)
+        reuse.verify(self.model_config.num_hidden_layers)
+        return reuse
+
+    def add_request(self, request_id: str, prompt: Any | TokenizedPrompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, reuse: dict | None = None) -> None:
+        """Validate and queue. `reuse` overrides segment-reuse knobs for this request
+        (full_layers, recompute_ratio, selector, boundary_tokens)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.verify()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests or request_id in self.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        tp = prompt if isinstance(prompt, TokenizedPrompt) else self.tokenize(prompt)
+        n = len(tp.token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty (0 tokens)")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens; max_model_len is {self.max_model_len} (at least one token must be generated)")
+        max_tokens = min(params.max_tokens or self.max_model_len, self.max_model_len - n)
+        need = cdiv(n + 1, self.config.block_size)
+        if need > self.kv.pool.num_blocks:
+            raise ValueError(f"the KV pool ({self.kv.pool.num_blocks} blocks of {self.config.block_size} tokens) "
+                             f"cannot hold a {n}-token prompt; raise kv_cache_memory or num_blocks")
+        reuse_cfg = self._reuse_for(reuse)
+        arrival = time.time() if arrival_time is None else arrival_time
+        ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        for i, rid in enumerate(ids):
+            p = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i)
+            gen = None
+            if p.seed is not None:
+                gen = torch.Generator(device=self.runner.device).manual_seed(p.seed)
+            req = Request(request_id=rid, prompt_token_ids=list(tp.token_ids), params=p, arrival_time=arrival,
+                          prompt=tp.text, cache_salt=tp.cache_salt, segments=list(tp.segments), reuse=reuse_cfg,
+                          eos_token_ids=self.eos_token_ids, max_tokens=max_tokens)
+            req.generator = gen
+            self.requests[rid] = req
+            self.scheduler.add(req)
+        if params.n > 1:
+            self.parents[request_id] = ids
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            for cid in self.parents.pop(rid, [rid]):
+                req = self.requests.pop(cid, None)
+                if req is not None and not req.is_finished:
+                    self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    # ---- stepping ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        touched: list[Request] = []
+        for req in sched.aborted:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            touched.append(req)
+        if sched.scheduled:
+            results = self.runner.execute(sched)
+            now = time.time()
+            for s in sched.scheduled:
+                req = s.request
+                res = results[req.request_id]
+                if req.metrics.first_scheduled_time is None:
+                    req.metrics.first_scheduled_time = now
+                req.num_computed_tokens += s.num_new_tokens
+                if self.runner.blender is not None:
+                    self.runner.blender.after_step(req, s)
+                self.kv.cache_blocks(req, self._exact_len(req))
+                for pos, d in res.prompt_logprobs:
+                    req.prompt_logprobs[pos] = d
+                if res.sampled_token is None:
+                    continue
+                self._append_token(req, res.sampled_token, res.logprobs, now)
+                touched.append(req)
+        return [o for o in (self._make_output(r) for r in self._dedupe(touched)) if o is not None]
+
+    def _exact_len(self, req: Request) -> int:
+        """Tokens of the request whose KV is exact (all, unless segment reuse blended it)."""
+        if req.exact_prefix_len is None:
+            return req.num_computed_tokens
+        return min(req.exact_prefix_len, req.num_computed_tokens)
+
+    @staticmethod
+    def _dedupe(reqs: list[Request]) -> list[Request]:
+        seen, out = set(), []
+        for r in reqs:
+            if id(r) not in seen:
+                seen.add(id(r)); out.append(r)
+        return out
+
+    def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> None:
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.output_token_ids.append(token)
+        if logprobs is not None:
+            req.output_logprobs.append(logprobs)
+        p = req.params
+        status = None
+        if not p.ignore_eos and token in req.eos_token_ids:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
+        elif token in p.stop_token_ids:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+        if p.stop and status is None:
+            # only the tail can hold a new stop string
+            lo = max(0, len(req.output_text) - max(len(s) for s in p.stop))
+            hits = [(text.find(s, lo), s) for s in p.stop if text.find(s, lo) >= 0]
+            if hits:
+                at, s = min(hits)
+                text = text[: at + len(s)] if p.include_stop_str_in_output else text[:at]
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, s
+        req.output_text = text
+        if status is None and len(req.output_token_ids) >= req.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is None and req.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            req.metrics.finished_time = now
+            self.scheduler.finish(req, status)
+
+    def _completion(self, req: Request, index: int) -> CompletionOutput:
+        return CompletionOutput(index=index, text=req.output_text, token_ids=list(req.output_token_ids),
+                                logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
+                                finish_reason=req.finish_reason(), stop_reason=req.stop_reason)
+
+    def _make_output(self, req: Request) -> RequestOutput | None:
+        rid = req.request_id
+        parent = rid.rsplit("#", 1)[0] if "#" in rid and rid.rsplit("#", 1)[0] in self.parents else None
+        group = [self.requests[c] for c in self.parents[parent]] if parent else [req]
+        first = group[0]
+        out = RequestOutput(
+            request_id=parent or rid, prompt=first.prompt, prompt_token_ids=list(first.prompt_token_ids),
+            prompt_logprobs=first.prompt_logprobs, outputs=[self._completion(r, i) for i, r in enumerate(group)],
+            finished=all(r.is_finished for r in group), metrics=first.metrics,
+            num_cached_tokens=first.num_cached_tokens, num_reused_tokens=first.num_reused_tokens,
+            num_recomputed_tokens=first.num_recomputed_tokens)
+        if out.finished:
+            for r in group:
+                self.requests.pop(r.request_id, None)
+            if parent:
+                del self.parents[parent]
+        return out
+
+    # ---- cache control and introspection ----------------------------------------------------
+    def reset_cache(self) -> None:
+        """Drop every cached block and segment entry not held by a running request."""
+        if self.segment_index is not None:
+            self.segment_index.clear()
+        self.kv.pool.reset_prefix_cache()
+
+    def stats(self) -> EngineStats:
+        st = EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage, num_blocks=self.kv.pool.num_blocks,
+            prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions)
+        if self.segment_index is not None:
+            b = self.runner.blender
+            st.segment_cache_queries = self.segment_index.query_tokens
+            st.segment_cache_hits = self.segment_index.hit_tokens
+            st.recomputed_tokens = b.recomputed_tokens
+            st.selection_seconds = b.selection_seconds
+            st.num_segment_entries = len(self.segment_index)
+        return st
+
+    def check_integrity(self) -> None:
+        """Raise unless every block's refcount equals its holders (requests + segment entries)."""
+        refs: dict[int, int] = {}
+        for req in self.scheduler.running:
+            for b in req.blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for req in self.scheduler.waiting:
+            if req.blocks:
+                raise RuntimeError(f"waiting request {req.request_id} holds blocks")
+        if self.segment_index is not None:
+            for bid, c in self.segment_index.block_refs().items():
+                refs[bid] = refs.get(bid, 0) + c
+            self.segment_index.check_integrity()
+        self.kv.pool.check_integrity(refs)

@@ -1,0 +1,91 @@
+"""A request as the engine tracks it: tokens, progress (`num_computed_tokens`), blocks, outputs."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from sparsex.cache.block_hash import BlockHash
+from sparsex.config import ReuseConfig
+from sparsex.outputs import RequestMetrics
+from sparsex.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(frozen=True)
+class SegmentSpan:
+    """A piece of the prompt that may be reused from, or registered in, the segment index."""
+    start: int        # token offset in the prompt
+    end: int          # exclusive
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    prompt: str | None = None
+    cache_salt: str | None = None
+    segments: list[SegmentSpan] = field(default_factory=list)
+    reuse: ReuseConfig | None = None          # per-request segment-reuse knobs (None: no reuse)
+    eos_token_ids: tuple[int, ...] = ()
+    max_tokens: int = 16
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_computed_tokens: int = 0
+    blocks: list = field(default_factory=list)          # the block table, as KVCacheBlock objects
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    output_text: str = ""
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    # segment reuse
+    reuse_plan: object | None = None          # segment.blender.ReusePlan, locked until its forward ran
+    exact_prefix_len: int | None = None       # KV at positions >= this is approximate (blended)
+    segments_registered: bool = False
+    # cache statistics of the (last) prefill
+    num_cached_tokens: int = 0
+    num_reused_tokens: int = 0
+    num_recomputed_tokens: int = 0
+    metrics: RequestMetrics = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None

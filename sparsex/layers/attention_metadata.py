@@ -1,0 +1,58 @@
+"""Per-step attention metadata: the one contract between the model runner and attention backends.
+
+The KV cache of a sequence is laid out *by position*: the key/value of the token at absolute
+position `p` of sequence `s` lives at slot `block_tables[s, p // block_size] * block_size + p % block_size`.
+A query row carries its own absolute position and attends to keys at positions `0..position`
+of its sequence (an exact per-row causal mask). Rows of a sequence need not be contiguous in
+position: plain prefill, chunked prefill, prefix-cache hits, decode and SparseX's sparse rows
+(selected tokens scattered through a prompt) are all the same case.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    # per query row
+    positions: torch.Tensor        # [num_tokens] int64, absolute position of each row
+    slot_mapping: torch.Tensor     # [num_tokens] int64, KV-cache slot each row's K/V is written to
+    # per sequence; rows of sequence s are cu_seqlens_q[s]:cu_seqlens_q[s+1]
+    cu_seqlens_q: torch.Tensor     # [num_seqs + 1] int32
+    seq_lens: torch.Tensor         # [num_seqs] int32, keys 0..seq_lens[s]-1 are valid once this step's K/V are stored
+    block_tables: torch.Tensor     # [num_seqs, max_num_blocks] int32 (padded with 0)
+    max_seqlen_q: int
+    max_seq_len: int
+    # host copies, so the CPU backend never syncs on device tensors
+    cu_seqlens_q_cpu: list[int]
+    seq_lens_cpu: list[int]
+    # True when every sequence's rows are exactly positions seq_len-q_len .. seq_len-1
+    # (no sparse rows): backends may then use a plain bottom-right causal mask.
+    contiguous: bool = True
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    def select_rows(self, keep: torch.Tensor) -> "AttentionMetadata":
+        """Metadata for a subset of rows (`keep`: sorted int64 row indices), as SparseX's sparse layers need."""
+        keep_cpu = keep.cpu()
+        bounds = torch.tensor(self.cu_seqlens_q_cpu, dtype=torch.int64)
+        counts = torch.bucketize(keep_cpu, bounds[1:], right=True).bincount(minlength=self.num_seqs)
+        cu = [0]
+        for c in counts.tolist():
+            cu.append(cu[-1] + c)
+        return AttentionMetadata(
+            positions=self.positions[keep],
+            slot_mapping=self.slot_mapping[keep],
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=self.cu_seqlens_q.device),
+            seq_lens=self.seq_lens,
+            block_tables=self.block_tables,
+            max_seqlen_q=max((b - a for a, b in zip(cu, cu[1:])), default=0),
+            max_seq_len=self.max_seq_len,
+            cu_seqlens_q_cpu=cu,
+            seq_lens_cpu=self.seq_lens_cpu,
+            contiguous=False,
+        )

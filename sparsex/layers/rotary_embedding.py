@@ -1,0 +1,69 @@
+"""Rotary position embedding (HF "rotate_half" layout), incl. Llama-3 frequency scaling.
+
+RoPE is a rotation per frequency pair, so R(a)·R(b) = R(a+b): a key computed at position p
+moves to position p+Δ by one more rotation by Δ (`rotate`), which is what segment reuse does.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    # float32 like transformers, so positions ~1e4 give bit-comparable angles
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))  # [head_dim/2]
+    if scaling is None:
+        return inv_freq.float()
+    kind = scaling.get("rope_type")
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling.get("original_max_position_embeddings", 8192)
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_mid, mid, scaled).float()
+    if kind == "linear":
+        return (inv_freq / scaling["factor"]).float()
+    raise ValueError(f"unsupported rope scaling {kind!r}")
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, num_heads, head_dim]; cos/sin: [num_tokens, head_dim/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int):
+        super().__init__()
+        self.head_dim, self.theta, self.scaling, self.max_position = head_dim, theta, scaling, max_position
+        self.build(torch.device("cpu"))
+
+    def build(self, device: torch.device) -> None:
+        """(Re)compute the float32 tables on `device` (also after the module was moved or cast)."""
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32, device=device), inv_freq)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)          # [head_dim/2]
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)      # [max_position, head_dim/2]
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos_cache[positions], self.sin_cache[positions]
+
+    def delta_cos_sin(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of a (possibly negative) position shift, for re-rotating cached keys."""
+        freqs = delta.to(torch.float32)[:, None] * self.inv_freq[None, :]     # [n, head_dim/2]
+        return freqs.cos(), freqs.sin()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin(positions)
+        return rotate(q, cos, sin), rotate(k, cos, sin)

@@ -1,0 +1,404 @@
+"""Attention over the paged KV cache in Triton: one varlen prefill/extend kernel and a split-K decode.
+
+Same contract as `TorchAttentionBackend` (attention_backend.py), which is the reference:
+caches are per layer `[num_blocks, block_size, num_kv_heads, head_dim]`, laid out by position, and
+every query row attends to keys `0..positions[row]` of its sequence. No mask tensor exists: the mask
+is `key <= position`, evaluated per row inside the kernel, so plain prefill, chunked prefill, prefix
+hits and SparseX's sparse rows (rows scattered through a prompt) are one code path.
+
+Layout of the work (why it looks like this):
+- GQA is packed into the M side of each tile: a program owns one KV head and `ROWS` query rows ×
+  `G` query heads of that KV head (`M = ROWS * G` lines, line m = row m // G, head m % G). Each K/V
+  block is then loaded once for all G heads, and a sequence with few rows (a decode row mixed into a
+  prefill batch, the 64 tail rows of a sparse step) still fills the tensor-core tile.
+- The key loop of a tile stops at the tile's largest position; key blocks at or below its smallest
+  position need no mask, so a dense causal tile pays for the mask on ~1-2 blocks only.
+- Tiles are found without host data: tile t of sequence s is program `cu_q[s] // ROWS + s + t`
+  (a binary search over cu_seqlens_q inside the kernel), and the grid is an upper bound built
+  from host ints. Programs run last-tile-first, so the longest causal tiles start earliest.
+- Decode (every sequence has exactly one row) splits each sequence's keys across programs
+  (split-K) so a few long sequences still fill the GPU, then a small kernel merges the splits by
+  their log-sum-exp.
+Softmax is online, in base 2 (the scale is folded with log2 e), accumulated in fp32.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from sparsex.layers.attention_metadata import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_keys(
+    acc, m_i, l_i,                 # running state: [M, D] fp32, [M] fp32, [M] fp32
+    q,                             # [M, D] query lines, input dtype
+    pos_m,                         # [M] int32, absolute position of each line
+    k_base, v_base,                # cache pointers, already offset to this KV head
+    bt_row,                        # pointer to this sequence's block-table row
+    lo, hi,                        # key range [lo, hi); lo a multiple of BLOCK_N
+    stride_kb, stride_ks, stride_vb, stride_vs,
+    qk_scale,                      # softmax scale * log2(e)
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr, PREC: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + offs_n                                               # [BLOCK_N] key positions
+        # key position -> cache slot through the block table (blocks need not be contiguous)
+        if MASKED:
+            n_ok = n < hi
+            page = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        else:
+            page = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
+        in_block = n % BLOCK_SIZE
+        k_ptrs = k_base + page[:, None] * stride_kb + in_block[:, None] * stride_ks + offs_d[None, :]
+        v_ptrs = v_base + page[:, None] * stride_vb + in_block[:, None] * stride_vs + offs_d[None, :]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=n_ok[:, None], other=0.0)           # [BLOCK_N, D]
+            v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * qk_scale   # [M, BLOCK_N]
+        if MASKED:
+            visible = (n[None, :] <= pos_m[:, None]) & n_ok[None, :]
+            qk = tl.where(visible, qk, float("-inf"))
+        # Every line sees key 0 in the first block it processes (positions >= 0), so m_new is
+        # finite from the first iteration on and no exp2(-inf - -inf) NaN can appear.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache, v_cache, out_ptr,
+    positions, cu_seqlens_q, seq_lens, block_tables,
+    num_seqs, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+):
+    ROWS: tl.constexpr = BLOCK_M // G            # query rows per tile
+    kvh = tl.program_id(0)
+    pid = tl.num_programs(1) - 1 - tl.program_id(1)      # last tiles (most keys) first
+
+    # sequence of this program: the largest s with cu_q[s] // ROWS + s <= pid (strictly increasing in s)
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(cu_seqlens_q + mid) // ROWS + mid <= pid:
+            lo = mid
+        else:
+            hi = mid - 1
+    s = lo
+    q_start = tl.load(cu_seqlens_q + s)
+    q_end = tl.load(cu_seqlens_q + s + 1)
+    row0 = q_start + (pid - (q_start // ROWS + s)) * ROWS
+    if row0 >= q_end:                             # spare program of the upper-bound grid
+        return
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row = (row0 + offs_m // G).to(tl.int64)                              # [M] query row of each line
+    head = kvh * G + offs_m % G                                          # [M] query head of each line
+    line_ok = (offs_m < ROWS * G) & (row < q_end)
+    # padding lines get position 0: they see key 0, stay finite, and are never stored
+    pos_m = tl.load(positions + row, mask=line_ok, other=0).to(tl.int32)
+    q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=line_ok[:, None], other=0.0)                         # [M, D]
+
+    seq_len = tl.load(seq_lens + s)
+    kv_end = tl.minimum(tl.max(tl.where(line_ok, pos_m, 0)) + 1, seq_len)
+    # keys <= the smallest position are visible to every line: no mask up to that block boundary
+    min_pos = tl.min(tl.where(line_ok, pos_m, 2147483647))
+    full_end = tl.minimum((min_pos + 1) // BLOCK_N * BLOCK_N, kv_end // BLOCK_N * BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    k_base = k_cache + kvh * stride_kh
+    v_base = v_cache + kvh * stride_vh
+    bt_row = block_tables + s * stride_bt
+    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos_m, k_base, v_base, bt_row, 0, full_end,
+                                 stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                                 BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, PREC)
+    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos_m, k_base, v_base, bt_row, full_end, kv_end,
+                                 stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                                 BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, PREC)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=line_ok[:, None])
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache, v_cache, out_ptr, part_o, part_lse,
+    positions, seq_lens, block_tables, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt, num_heads, num_splits,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+):
+    s = tl.program_id(0)                          # sequence == its single query row
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_ok = offs_g < G
+    head = kvh * G + offs_g                                              # [BLOCK_G]
+    q = tl.load(q_ptr + s.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None], other=0.0)                            # [BLOCK_G, D]
+    pos = tl.load(positions + s).to(tl.int32)
+    kv_len = tl.minimum(pos + 1, tl.load(seq_lens + s))
+    # this split's key range: equal chunks, rounded up to whole key blocks
+    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kv_len)
+    full_end = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+    pos_m = tl.full([BLOCK_G], 0, tl.int32) + pos
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    k_base = k_cache + kvh * stride_kh
+    v_base = v_cache + kvh * stride_vh
+    bt_row = block_tables + s * stride_bt
+    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos_m, k_base, v_base, bt_row, lo, full_end,
+                                 stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                                 BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, PREC)
+    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos_m, k_base, v_base, bt_row, full_end, hi,
+                                 stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                                 BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, PREC)
+    if not SPLIT:
+        tl.store(out_ptr + s.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+    else:
+        # an empty split (short sequence) leaves l = 0, m = -inf: lse = -inf, weight 0 in the merge
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # base-2 log-sum-exp
+        idx = (s * num_heads + head) * num_splits + split                # [BLOCK_G]
+        tl.store(part_lse + idx, lse, mask=g_ok)
+        tl.store(part_o + idx[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
+                 mask=g_ok[:, None])
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_o, part_lse, out_ptr, stride_ot, stride_oh, num_heads, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = (s * num_heads + h) * num_splits
+    lse = tl.load(part_lse + base + offs_s, mask=offs_s < num_splits, other=float("-inf"))  # [S]
+    w = tl.exp2(lse - tl.max(lse, 0))                                    # split 0 is never empty
+    o = tl.load(part_o + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=(offs_s < num_splits)[:, None], other=0.0)          # [S, D]
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + s.to(tl.int64) * stride_ot + h * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _store_kv_kernel(
+    key, value, k_cache, v_cache, slot_mapping,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ckb, stride_cks, stride_ckh, stride_cvb, stride_cvs, stride_cvh,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping + t)
+    if slot < 0:                                  # padding token: nothing to store
+        return
+    page = slot // BLOCK_SIZE
+    in_block = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = (offs_h < NUM_KV_HEADS)[:, None]
+    t64 = t.to(tl.int64)
+    k = tl.load(key + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=ok)
+    v = tl.load(value + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=ok)
+    k_dst = k_cache + page * stride_ckb + in_block * stride_cks + offs_h[:, None] * stride_ckh + offs_d[None, :]
+    v_dst = v_cache + page * stride_cvb + in_block * stride_cvs + offs_h[:, None] * stride_cvh + offs_d[None, :]
+    tl.store(k_dst, k.to(k_cache.dtype.element_ty), mask=ok)
+    tl.store(v_dst, v.to(v_cache.dtype.element_ty), mask=ok)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":                     # Triton's CPU interpreter (TRITON_INTERPRET=1)
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs go through the tensor cores as tf32 (rel. error ~3e-4), like most serving engines
+    return "tf32" if dtype == torch.float32 else "ieee"
+
+
+def _prefill_config(head_dim: int, dtype: torch.dtype, group: int) -> dict:
+    if dtype == torch.float32 or head_dim > 128:
+        cfg = dict(block_m=64, block_n=32, num_warps=4, num_stages=2)   # fp32 tiles are twice the bytes
+    elif head_dim <= 64:
+        cfg = dict(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    else:
+        cfg = dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    cfg["block_m"] = max(cfg["block_m"], triton.next_power_of_2(group))  # at least one row per tile
+    return cfg
+
+
+def _check_shapes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    _, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    assert head_dim & (head_dim - 1) == 0 and head_dim >= 16, "head_dim must be a power of two >= 16"
+    assert query.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    return num_heads, num_kv_heads, head_dim
+
+
+def prefill_attention(
+    query: torch.Tensor,            # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,          # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,
+    **config,                       # block_m, block_n, num_warps, num_stages (benchmark sweeps)
+) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
+    num_heads, num_kv_heads, head_dim = _check_shapes(query, k_cache, v_cache)
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query) if out is None else out
+    num_tokens = query.shape[0]
+    if num_tokens == 0:
+        return out
+    cfg = _prefill_config(head_dim, query.dtype, group) | config
+    rows = cfg["block_m"] // group
+    # upper bound on tiles from host ints only: sum_s cdiv(q_len_s, rows) <= num_tokens // rows + num_seqs
+    grid = (num_kv_heads, num_tokens // rows + md.num_seqs)
+    _prefill_kernel[grid](
+        query, k_cache, v_cache, out,
+        md.positions, md.cu_seqlens_q, md.seq_lens, md.block_tables,
+        md.num_seqs, scale * _LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        md.block_tables.stride(0),
+        G=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], PREC=_precision(query.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
+    """Splits per sequence so that ~4 programs per SM are in flight, each with >= one key block."""
+    want = triton.cdiv(4 * num_sms, num_seqs * num_kv_heads)
+    return max(1, min(want, triton.cdiv(max_seq_len, block_n), 64))
+
+
+def decode_attention(
+    query: torch.Tensor,            # [num_seqs, num_heads, head_dim], one row per sequence
+    k_cache: torch.Tensor,          # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:                  # [num_seqs, num_heads, head_dim]
+    num_heads, num_kv_heads, head_dim = _check_shapes(query, k_cache, v_cache)
+    group = num_heads // num_kv_heads
+    num_seqs = query.shape[0]
+    out = torch.empty_like(query) if out is None else out
+    if num_seqs == 0:
+        return out
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, md.max_seq_len, block_n,
+                                       _num_sms(query.device))
+    if num_splits > 1:
+        part_o = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    else:
+        part_o = part_lse = out                     # unused: the kernel writes `out` directly
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, out, part_o, part_lse,
+        md.positions, md.seq_lens, md.block_tables, scale * _LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        md.block_tables.stride(0), num_heads, num_splits,
+        G=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, SPLIT=num_splits > 1,
+        PREC=_precision(query.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(num_seqs, num_heads)](
+            part_o, part_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
+            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+        )
+    return out
+
+
+class TritonAttentionBackend:
+    """GPU backend: Triton kernels over the paged cache; same functions as TorchAttentionBackend."""
+
+    name = "triton"
+
+    @staticmethod
+    def store_kv(
+        key: torch.Tensor,          # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,        # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens] int64; a negative slot is skipped
+    ) -> None:
+        num_tokens, num_kv_heads, head_dim = key.shape
+        if num_tokens == 0:
+            return
+        assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
+        assert key.stride(-1) == 1 and value.stride(-1) == 1
+        _store_kv_kernel[(num_tokens,)](
+            key, value, k_cache, v_cache, slot_mapping,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+            BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_SIZE=k_cache.shape[1],
+            num_warps=4,
+        )
+
+    @staticmethod
+    def attention(
+        query: torch.Tensor,        # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:              # [num_tokens, num_heads, head_dim]
+        # host ints only: no device->host sync on this path
+        if query.shape[0] == md.num_seqs and md.max_seqlen_q == 1:
+            return decode_attention(query, k_cache, v_cache, md, scale)
+        return prefill_attention(query, k_cache, v_cache, md, scale)
+
+
+__all__ = ["TritonAttentionBackend", "prefill_attention", "decode_attention", "decode_num_splits"]

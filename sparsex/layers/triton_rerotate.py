@@ -1,0 +1,116 @@
+"""Move cached K/V rows to new slots and re-rotate the keys to their new positions (segment reuse).
+
+RoPE is a rotation per frequency pair, R(b - a)·R(a)·k = R(b)·k, so a key cached at position a is
+moved to position b by one more rotation by delta = b - a; values carry no position and are copied.
+Layout is HF "rotate_half" (neox): pair i is (i, i + rot/2), with rot = 2 * len(inv_freq) (partial
+rotary: dims >= rot are copied unrotated).
+
+Angles are formed in float64 and reduced modulo 2π before the float32 sin/cos: delta * inv_freq
+reaches ~1e5 rad for long prompts, where a float32 product alone would be off by ~1e-2 rad.
+
+`copy_and_rerotate_torch` is the reference and the CPU path; `copy_and_rerotate` is the Triton kernel
+(CUDA only). Both read every source row before any write in the torch version; the Triton kernel
+needs the destination slots disjoint from the other rows' source slots (a row may be moved in place).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:                    # CPU-only installs: only the torch reference is available
+    triton = None
+
+
+def _rotation(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of delta * inv_freq: [n, rot/2] float32, angle formed in float64."""
+    angle = delta.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]    # [n, rot/2]
+    angle = torch.remainder(angle, 2 * math.pi)
+    return angle.cos().float(), angle.sin().float()
+
+
+def copy_and_rerotate_torch(
+    k_cache: torch.Tensor,          # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    src_slots: torch.Tensor,        # [n] int64
+    dst_slots: torch.Tensor,        # [n] int64
+    delta: torch.Tensor,            # [n] int64, new position - old position
+    inv_freq: torch.Tensor,         # [rot/2] float32
+) -> None:
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])                         # [slots, kv_heads, D]
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    half = inv_freq.numel()
+    cos, sin = _rotation(delta.to(k_cache.device), inv_freq.to(k_cache.device))
+    cos, sin = cos[:, None, :], sin[:, None, :]                           # [n, 1, rot/2]
+    k = k_flat[src_slots].float()                                         # [n, kv_heads, D]
+    x1, x2, rest = k[..., :half], k[..., half:2 * half], k[..., 2 * half:]
+    k = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+    v = v_flat[src_slots]                                                 # gathered before any write
+    k_flat.index_copy_(0, dst_slots, k.to(k_cache.dtype))
+    v_flat.index_copy_(0, dst_slots, v)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rerotate_kernel(
+        k_cache, v_cache, src_slots, dst_slots, delta, inv_freq,
+        stride_kslot, stride_kh, stride_vslot, stride_vh,
+        NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        i = tl.program_id(0)
+        src = tl.load(src_slots + i)
+        dst = tl.load(dst_slots + i)
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        ok = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        # pair partner and sign of each dim: d < HALF pairs with d + HALF (-sin), d < 2*HALF with
+        # d - HALF (+sin); dims past the rotary part are copied (cos 1, sin 0)
+        first = offs_d < HALF
+        rotary = offs_d < 2 * HALF
+        partner = tl.where(first, offs_d + HALF, tl.where(rotary, offs_d - HALF, offs_d))
+        freq = tl.load(inv_freq + offs_d % HALF, mask=rotary, other=0.0)                 # [BLOCK_D]
+        angle = tl.load(delta + i).to(tl.float64) * freq.to(tl.float64)
+        angle = (angle - tl.floor(angle / 6.283185307179586) * 6.283185307179586).to(tl.float32)
+        cos = tl.where(rotary, tl.cos(angle), 1.0)
+        sin = tl.where(first, -tl.sin(angle), tl.where(rotary, tl.sin(angle), 0.0))
+        src_k = k_cache + src * stride_kslot + offs_h[:, None] * stride_kh
+        x = tl.load(src_k + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)         # [H, D]
+        xp = tl.load(src_k + partner[None, :], mask=ok, other=0.0).to(tl.float32)       # partner dims
+        k_new = x * cos[None, :] + xp * sin[None, :]
+        v = tl.load(v_cache + src * stride_vslot + offs_h[:, None] * stride_vh + offs_d[None, :], mask=ok)
+        tl.store(k_cache + dst * stride_kslot + offs_h[:, None] * stride_kh + offs_d[None, :],
+                 k_new.to(k_cache.dtype.element_ty), mask=ok)
+        tl.store(v_cache + dst * stride_vslot + offs_h[:, None] * stride_vh + offs_d[None, :], v, mask=ok)
+
+
+def copy_and_rerotate(
+    k_cache: torch.Tensor,          # [num_blocks, block_size, num_kv_heads, head_dim], CUDA
+    v_cache: torch.Tensor,
+    src_slots: torch.Tensor,        # [n] int64
+    dst_slots: torch.Tensor,        # [n] int64, disjoint from other rows' src slots
+    delta: torch.Tensor,            # [n] int64, new position - old position
+    inv_freq: torch.Tensor,         # [rot/2] float32
+) -> None:
+    if triton is None or not k_cache.is_cuda:
+        return copy_and_rerotate_torch(k_cache, v_cache, src_slots, dst_slots, delta, inv_freq)
+    n = src_slots.numel()
+    if n == 0:
+        return
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    half = inv_freq.numel()
+    assert 2 * half <= head_dim and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    # a slot is (block, offset); with contiguous blocks the slot stride is stride(1)
+    assert k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1)
+    assert v_cache.stride(0) == v_cache.shape[1] * v_cache.stride(1)
+    _rerotate_kernel[(n,)](
+        k_cache, v_cache, src_slots, dst_slots, delta, inv_freq.float(),
+        k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )

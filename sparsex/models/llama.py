@@ -1,0 +1,144 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2; Qwen2 adds q/k/v biases via `attention_bias`).
+
+Flat batches: every tensor is `[num_tokens, ...]` with the tokens of all sequences of a step
+concatenated; `AttentionMetadata` says which rows belong to which sequence.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparsex.engine.forward_context import ForwardContext
+from sparsex.layers.layernorm import RMSNorm
+from sparsex.layers.rotary_embedding import RotaryEmbedding
+from sparsex.models.model_config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        # q, k, v fused into one matmul (loaded from HF's separate q_proj/k_proj/v_proj)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rotary = rotary
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)                                      # [T, q_size + 2*kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)                    # [T, H, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)                 # [T, KVH, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        if ctx.probe is not None and self.layer_idx in ctx.probe_layers:
+            ctx.probe(self.layer_idx, q, k, v, k_cache, v_cache, ctx)
+        ctx.backend.store_kv(k, v, k_cache, v_cache, ctx.attn_metadata.slot_mapping)
+        o = ctx.backend.attention(q, k_cache, v_cache, ctx.attn_metadata, self.scale)  # [T, H, D]
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)        # [T, inter] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx, rotary)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, ctx: ForwardContext):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_position: int):
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Returns final-norm hidden states of the rows still kept at the last layer:
+        all rows, or `ctx.kept_rows` when a row selector dropped some."""
+        hidden = self.embed_tokens(input_ids)                            # [T, hidden]
+        residual = None
+        for i, layer in enumerate(self.layers):
+            if ctx.row_selector is not None and i in ctx.row_selector.layers:
+                keep = ctx.row_selector(i, ctx)                          # indices into current rows
+                if keep is not None:
+                    hidden, positions = hidden[keep], positions[keep]
+                    residual = residual[keep] if residual is not None else None
+                    ctx.attn_metadata = ctx.attn_metadata.select_rows(keep)
+                    ctx.kept_rows = keep if ctx.kept_rows is None else ctx.kept_rows[keep]
+            hidden, residual = layer(positions, hidden, residual, ctx)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)                                  # [rows, vocab]
+
+    @torch.no_grad()
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up; checks names and shapes."""
+        own = dict(self.named_parameters())
+        used: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            used.add(name)
+            return weights[name]
+
+        def put(name: str, value: torch.Tensor) -> None:
+            if own[name].shape != value.shape:
+                raise ValueError(f"shape mismatch for {name}: model {tuple(own[name].shape)}, checkpoint {tuple(value.shape)}")
+            own[name].copy_(value)
+
+        put("embed_tokens.weight", take("model.embed_tokens.weight"))
+        put("norm.weight", take("model.norm.weight"))
+        if self.lm_head is not None:
+            put("lm_head.weight", take("lm_head.weight"))
+        for i in range(self.config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            a = f"layers.{i}.self_attn."
+            put(a + "qkv_proj.weight", torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]))
+            if self.config.attention_bias:
+                put(a + "qkv_proj.bias", torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"]))
+            put(a + "o_proj.weight", take(p + "self_attn.o_proj.weight"))
+            put(f"layers.{i}.mlp.gate_up_proj.weight",
+                torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
+            put(f"layers.{i}.mlp.down_proj.weight", take(p + "mlp.down_proj.weight"))
+            put(f"layers.{i}.input_layernorm.weight", take(p + "input_layernorm.weight"))
+            put(f"layers.{i}.post_attention_layernorm.weight", take(p + "post_attention_layernorm.weight"))
+        unused = set(weights) - used - {"lm_head.weight"}
+        if unused:
+            raise ValueError(f"checkpoint has tensors the model does not use: {sorted(unused)[:5]}")

@@ -1,0 +1,269 @@
+"""Blended prefill: reuse segments' KV at new positions and recompute a sparse set of tokens,
+all inside the normal forward pass.
+
+For a request whose prompt is P (exact prefix hit) + reused segments R1..Rm + new tokens N:
+
+  plan()     at admission: look up each prompt segment after P in the segment index; lock hits.
+  prepare()  before the forward: copy every hit's K/V (all layers) into the request's own blocks,
+             re-rotating keys from the positions they were computed at to their new positions;
+             install a probe on layer F-1 and a row selector before layer F (F = full_layers).
+  forward    layers 0..F-1 compute every row of R ∪ N (their fresh K/V overwrite the copies);
+             at layer F the selector keeps N plus the top-scored reused rows; layers F..L-1 run
+             only those rows, each attending at its absolute position over all keys <= it.
+  after_step unlock hits; register the request's not-yet-indexed segments (their KV is in its
+             blocks already); record counters.
+
+Keys are stored rotated (like every other block) and re-rotated on copy, instead of being stored
+pre-RoPE and rotated on use: the attention kernels, the prefix cache and segments then share one
+block format, and the copy, which is needed anyway because positions change, does the rotation
+for free (K(p+d) = R(d) K(p)).
+
+Prefix-cache contract: blocks at or after the first reused position hold approximate KV and are
+never registered as exact prefix blocks (`Request.exact_prefix_len`), so a later prefix hit is
+always exact and prefix caching on/off never changes an output.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sparsex.cache.kv_cache_manager import KVCacheManager
+from sparsex.config import EngineConfig, ReuseConfig
+from sparsex.engine.forward_context import ForwardContext
+from sparsex.engine.request import Request, SegmentSpan
+from sparsex.layers.triton_rerotate import copy_and_rerotate_torch
+from sparsex.segment import selectors
+from sparsex.segment.segment_index import SegmentEntry, SegmentIndex
+
+
+@dataclass
+class ReusePlan:
+    reuse: ReuseConfig
+    hits: list[tuple[SegmentSpan, SegmentEntry]]
+
+    @property
+    def num_reused_tokens(self) -> int:
+        return sum(span.end - span.start for span, _ in self.hits)
+
+    @property
+    def first_reused_position(self) -> int:
+        return min(span.start for span, _ in self.hits)
+
+
+@dataclass
+class _SeqBlend:
+    """One blended sequence inside the current step."""
+    request: Request
+    reuse: ReuseConfig
+    reused_rows: torch.Tensor          # [R] rows of the step batch (original indexing)
+    reused_pos: torch.Tensor           # [R] absolute positions
+    offsets: torch.Tensor              # [R] offset inside its segment
+    seg_lo: torch.Tensor               # [R] position where its segment starts
+    scores: torch.Tensor | None = None
+    selected: int = 0
+
+
+class Blender:
+    def __init__(self, config: EngineConfig, model, index: SegmentIndex, kv: KVCacheManager):
+        self.config = config
+        self.model = model
+        self.index = index
+        self.kv = kv
+        self.block_size = config.block_size
+        self._gen = torch.Generator().manual_seed(config.seed)
+        self._seqs: list[_SeqBlend] = []
+        # counters
+        self.recomputed_tokens = 0
+        self.reused_tokens = 0
+        self.selection_seconds = 0.0
+        self.copy_seconds = 0.0
+
+    # ---- scheduling -------------------------------------------------------------------------
+    def plan(self, req: Request, num_prefix_hit: int) -> ReusePlan | None:
+        reuse = req.reuse
+        hits = []
+        toks = req.prompt_token_ids
+        for span in req.segments:
+            if span.start < num_prefix_hit or span.end - span.start < reuse.min_segment_tokens:
+                continue
+            if span.end >= req.num_prompt_tokens:
+                continue          # the last prompt token must be computed: its logits start decoding
+            entry = self.index.lookup(toks[span.start:span.end], req.cache_salt)
+            if entry is not None:
+                self.index.lock(entry)
+                hits.append((span, entry))
+        if not hits:
+            return None
+        plan = ReusePlan(reuse, hits)
+        req.reuse_plan = plan
+        return plan
+
+    def release(self, req: Request) -> None:
+        """Unlock a plan that will not run (preemption, allocation failure, abort)."""
+        plan = req.reuse_plan
+        if plan is not None:
+            for _, entry in plan.hits:
+                self.index.unlock(entry)
+            req.reuse_plan = None
+
+    # ---- forward ----------------------------------------------------------------------------
+    def prepare(self, sched, ctx: ForwardContext, runner) -> None:
+        md = ctx.attn_metadata
+        cu = md.cu_seqlens_q_cpu
+        dev = md.positions.device
+        src, dst, delta = [], [], []
+        self._seqs = []
+        t0 = time.perf_counter()
+        for si, s in enumerate(sched.scheduled):
+            plan: ReusePlan | None = s.reuse_plan
+            if plan is None:
+                continue
+            req = s.request
+            row0, pos0 = cu[si], req.num_computed_tokens
+            rows, pos, offs, lo = [], [], [], []
+            for span, entry in plan.hits:
+                n = span.end - span.start
+                src.extend(entry.slots())
+                dst.extend(self.kv.slot(req, p) for p in range(span.start, span.end))
+                delta.extend([span.start - entry.start_pos] * n)
+                rows.extend(range(row0 + span.start - pos0, row0 + span.end - pos0))
+                pos.extend(range(span.start, span.end))
+                offs.extend(range(n))
+                lo.extend([span.start] * n)
+            t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)
+            self._seqs.append(_SeqBlend(req, plan.reuse, t(rows), t(pos), t(offs), t(lo)))
+        src_t, dst_t, delta_t = (torch.tensor(x, dtype=torch.int64, device=dev) for x in (src, dst, delta))
+        inv_freq = self.model.rotary.inv_freq
+        copy = _copy_fn(dev)
+        for k_cache, v_cache in ctx.kv_caches:
+            copy(k_cache, v_cache, src_t, dst_t, delta_t, inv_freq)
+        self.copy_seconds += time.perf_counter() - t0
+
+        probe_layers = {b.reuse.full_layers - 1 for b in self._seqs if b.reuse.selector in selectors.PROBE_SELECTORS}
+        ctx.probe_layers = frozenset(probe_layers)
+        ctx.probe = self._probe if probe_layers else None
+        ctx.row_selector = _RowSelector(self, frozenset(b.reuse.full_layers for b in self._seqs))
+
+    def _current_rows(self, ctx: ForwardContext, rows: torch.Tensor) -> torch.Tensor:
+        """Original row indices -> indices into the rows still present."""
+        if ctx.kept_rows is None:
+            return rows
+        return torch.searchsorted(ctx.kept_rows, rows)
+
+    def _probe(self, layer_idx, q, k, v, k_cache, v_cache, ctx: ForwardContext) -> None:
+        t0 = time.perf_counter()
+        md = ctx.attn_metadata
+        for b in self._seqs:
+            if b.reuse.full_layers - 1 != layer_idx or b.reuse.selector not in selectors.PROBE_SELECTORS:
+                continue
+            cur = self._current_rows(ctx, b.reused_rows)
+            if b.reuse.selector == "kv_deviation":
+                slots = md.slot_mapping[cur]
+                k_old = k_cache.view(-1, *k_cache.shape[2:])[slots]          # [R, KVH, D] re-rotated copies
+                v_old = v_cache.view(-1, *v_cache.shape[2:])[slots]
+                b.scores = selectors.kv_deviation_scores(k[cur], v[cur], k_old, v_old)
+            else:  # sparse_q
+                b.scores = self._sparse_q_scores(b, cur, q, k, k_cache, ctx)
+        self.selection_seconds += time.perf_counter() - t0
+
+    def _sparse_q_scores(self, b: _SeqBlend, cur, q, k, k_cache, ctx) -> torch.Tensor:
+        md = ctx.attn_metadata
+        # the sequence's keys at this layer: cached prefix from the pool, the step's rows fresh
+        si = _seq_index(md, cur[0].item())
+        n = md.seq_lens_cpu[si]
+        bs = k_cache.shape[1]
+        blocks = md.block_tables[si, : (n + bs - 1) // bs]
+        keys = k_cache[blocks].flatten(0, 1)[:n].clone()                   # [n, KVH, D]
+        r0, r1 = md.cu_seqlens_q_cpu[si], md.cu_seqlens_q_cpu[si + 1]
+        keys[md.positions[r0:r1]] = k[r0:r1].to(keys.dtype)
+        scale = q.shape[-1] ** -0.5
+        return selectors.outside_segment_mass(q[cur], keys, b.reused_pos, b.seg_lo, scale)
+
+    def select(self, layer_idx: int, ctx: ForwardContext) -> torch.Tensor | None:
+        t0 = time.perf_counter()
+        num_rows = ctx.attn_metadata.positions.shape[0]
+        drop = torch.zeros(num_rows, dtype=torch.bool, device=ctx.attn_metadata.positions.device)
+        any_drop = False
+        for b in self._seqs:
+            if b.reuse.full_layers != layer_idx:
+                continue
+            r = b.reuse
+            n = b.reused_rows.numel()
+            if r.selector == "all":
+                keep_mask = torch.ones(n, dtype=torch.bool)
+            else:
+                k = int(round(r.recompute_ratio * n)) if r.selector != "none" else 0
+                if r.selector == "boundary":
+                    scores = selectors.boundary_scores(b.offsets)
+                elif r.selector == "random":
+                    scores = selectors.random_scores(n, self._gen)
+                elif r.selector == "none":
+                    scores = torch.zeros(n)
+                else:
+                    scores = b.scores.float().cpu()
+                keep_mask = torch.zeros(n, dtype=torch.bool)
+                if k > 0:
+                    keep_mask[torch.topk(scores.cpu(), min(k, n)).indices] = True
+                if r.boundary_tokens > 0:
+                    keep_mask |= b.offsets.cpu() < r.boundary_tokens
+            b.selected = int(keep_mask.sum())
+            cur = self._current_rows(ctx, b.reused_rows)
+            drop[cur[~keep_mask.to(cur.device)]] = True
+            any_drop = any_drop or b.selected < n
+        self.selection_seconds += time.perf_counter() - t0
+        if not any_drop:
+            return None
+        return torch.nonzero(~drop).flatten()
+
+    # ---- bookkeeping ------------------------------------------------------------------------
+    def after_step(self, req: Request, scheduled) -> None:
+        plan: ReusePlan | None = scheduled.reuse_plan
+        if plan is not None:
+            b = next((x for x in self._seqs if x.request is req), None)
+            req.num_reused_tokens = plan.num_reused_tokens
+            req.num_recomputed_tokens = b.selected if b is not None else 0
+            req.exact_prefix_len = plan.first_reused_position
+            self.reused_tokens += req.num_reused_tokens
+            self.recomputed_tokens += req.num_recomputed_tokens
+            self.release(req)
+        if req.num_computed_tokens >= req.num_prompt_tokens and not req.segments_registered:
+            req.segments_registered = True
+            self._register(req)
+
+    def _register(self, req: Request) -> None:
+        """Index the request's segments that are not in the index yet (KV already in its blocks)."""
+        min_len = req.reuse.min_segment_tokens
+        toks = req.prompt_token_ids
+        for span in req.segments:
+            if span.end - span.start < min_len or span.end > req.num_computed_tokens:
+                continue
+            seg = toks[span.start:span.end]
+            if self.index.lookup(seg, req.cache_salt, count=False) is not None:
+                continue
+            self.index.insert(seg, req.cache_salt, req.blocks, span.start)
+
+
+class _RowSelector:
+    def __init__(self, blender: Blender, layers: frozenset[int]):
+        self.blender = blender
+        self.layers = layers
+
+    def __call__(self, layer_idx: int, ctx: ForwardContext) -> torch.Tensor | None:
+        return self.blender.select(layer_idx, ctx)
+
+
+def _seq_index(md, row: int) -> int:
+    cu = md.cu_seqlens_q_cpu
+    for s in range(len(cu) - 1):
+        if cu[s] <= row < cu[s + 1]:
+            return s
+    raise IndexError(row)
+
+
+def _copy_fn(device: torch.device):
+    if device.type == "cuda":
+        from sparsex.layers.triton_rerotate import copy_and_rerotate
+        return copy_and_rerotate
+    return copy_and_rerotate_torch

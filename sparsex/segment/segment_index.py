@@ -1,0 +1,168 @@
+"""The segment index: token spans whose KV sits in the block pool, found by content wherever they
+appear in a later prompt.
+
+Key: xxh3-128 of (cache_salt, token ids), domain-separated from prefix-block hashes; every hit is
+verified against the stored token ids, so a forced collision never reuses wrong KV.
+Value: the blocks holding the span's KV (pinned through the pool's refcounts, like a running
+request), the position its first token was computed at, and counters for eviction.
+
+Eviction (`evict_blocks`) is asked for by the KV-cache manager when the pool's free queue cannot
+satisfy an allocation. Policies:
+  lru        least recently used entry first;
+  frequency  GreedyDual-Size-Frequency: priority = clock + hits * cost / size, with cost = tokens
+             (prefill work saved per hit) and size = blocks pinned; evicting raises the clock to
+             the victim's priority, so stale popular entries age out while a stream of one-off
+             content (1 hit each) cannot push out passages that keep being reused.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from sparsex.cache.block_hash import hash_segment
+from sparsex.cache.block_pool import BlockPool, KVCacheBlock
+
+
+@dataclass(eq=False)
+class SegmentEntry:
+    key: bytes
+    token_ids: tuple[int, ...]
+    cache_salt: str | None
+    blocks: list[KVCacheBlock]      # cover positions [start_pos, start_pos + len) of the source sequence
+    start_pos: int                  # position the first token was computed at
+    block_size: int
+    hits: int = 0
+    last_access: int = 0
+    priority: float = 0.0
+    locks: int = 0                  # requests about to copy from it (not evictable meanwhile)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def slot(self, i: int) -> int:
+        """Cache slot of the entry's i-th token."""
+        p = self.start_pos + i
+        first_block = self.start_pos // self.block_size
+        return self.blocks[p // self.block_size - first_block].block_id * self.block_size + p % self.block_size
+
+    def slots(self) -> list[int]:
+        return [self.slot(i) for i in range(len(self.token_ids))]
+
+
+class SegmentIndex:
+    def __init__(self, pool: BlockPool, block_size: int, policy: str = "lru"):
+        if policy not in ("lru", "frequency"):
+            raise ValueError(f"unknown segment eviction policy {policy!r}")
+        self.pool = pool
+        self.block_size = block_size
+        self.policy = policy
+        self.entries: dict[bytes, SegmentEntry] = {}
+        self._clock = itertools.count(1)
+        self._gdsf_floor = 0.0
+        # counters (tokens / entries)
+        self.query_tokens = 0
+        self.hit_tokens = 0
+        self.num_inserted = 0
+        self.num_evicted = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    # ---- lookup / insert --------------------------------------------------------------------
+    def lookup(self, token_ids: list[int] | tuple[int, ...], cache_salt: str | None, count: bool = True) -> SegmentEntry | None:
+        key = hash_segment(token_ids, cache_salt)
+        entry = self.entries.get(key)
+        if count:
+            self.query_tokens += len(token_ids)
+        if entry is None or entry.cache_salt != cache_salt or entry.token_ids != tuple(token_ids):
+            return None
+        if count:
+            self.hit_tokens += len(token_ids)
+            entry.hits += 1
+            entry.last_access = next(self._clock)
+            entry.priority = self._gdsf_floor + self._value(entry)
+        return entry
+
+    def _value(self, entry: SegmentEntry) -> float:
+        return (1 + entry.hits) * len(entry) / max(1, len(entry.blocks) * self.block_size)
+
+    def insert(self, token_ids: list[int], cache_salt: str | None, blocks: list[KVCacheBlock], start_pos: int) -> SegmentEntry | None:
+        """Pin `blocks` (those covering [start_pos, start_pos+len)) as a new entry; None if already present."""
+        key = hash_segment(token_ids, cache_salt)
+        if key in self.entries:
+            return None
+        first = start_pos // self.block_size
+        last = (start_pos + len(token_ids) - 1) // self.block_size
+        pinned = list(blocks[first:last + 1])
+        if len(pinned) != last - first + 1:
+            raise ValueError(f"segment at {start_pos}+{len(token_ids)} needs blocks {first}..{last}, got {len(blocks)}")
+        self.pool.touch(pinned)
+        entry = SegmentEntry(key, tuple(token_ids), cache_salt, pinned, start_pos, self.block_size,
+                             last_access=next(self._clock))
+        entry.priority = self._gdsf_floor + self._value(entry)
+        self.entries[key] = entry
+        self.num_inserted += 1
+        return entry
+
+    def lock(self, entry: SegmentEntry) -> None:
+        entry.locks += 1
+
+    def unlock(self, entry: SegmentEntry) -> None:
+        if entry.locks <= 0:
+            raise RuntimeError("unlock of an unlocked segment entry")
+        entry.locks -= 1
+
+    # ---- eviction ---------------------------------------------------------------------------
+    def _victim_order(self) -> list[SegmentEntry]:
+        cands = [e for e in self.entries.values() if e.locks == 0]
+        if self.policy == "lru":
+            return sorted(cands, key=lambda e: e.last_access)
+        return sorted(cands, key=lambda e: (e.priority, e.last_access))
+
+    def _remove(self, entry: SegmentEntry) -> int:
+        del self.entries[entry.key]
+        before = self.pool.num_free_blocks
+        self.pool.free_blocks(list(reversed(entry.blocks)))
+        self.num_evicted += 1
+        if self.policy == "frequency":
+            self._gdsf_floor = max(self._gdsf_floor, entry.priority)
+        return self.pool.num_free_blocks - before
+
+    def evict_blocks(self, num_blocks: int) -> int:
+        """Evict entries until `num_blocks` blocks were returned to the free queue (or none is left
+        to evict). Returns the number of blocks released."""
+        released = 0
+        for entry in self._victim_order():
+            if released >= num_blocks:
+                break
+            released += self._remove(entry)
+        return released
+
+    def clear(self) -> None:
+        for entry in [e for e in self.entries.values() if e.locks == 0]:
+            self._remove(entry)
+
+    # ---- accounting -------------------------------------------------------------------------
+    def block_refs(self) -> dict[int, int]:
+        refs: dict[int, int] = {}
+        for e in self.entries.values():
+            for b in e.blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        return refs
+
+    def num_pinned_blocks(self) -> int:
+        return len({b.block_id for e in self.entries.values() for b in e.blocks})
+
+    def check_integrity(self) -> None:
+        for key, e in self.entries.items():
+            if key != e.key or hash_segment(e.token_ids, e.cache_salt) != key:
+                raise RuntimeError("segment entry stored under a key that is not its hash")
+            if e.locks < 0:
+                raise RuntimeError("segment entry with negative lock count")
+            for b in e.blocks:
+                if b.ref_cnt < 1:
+                    raise RuntimeError(f"segment entry pins block {b.block_id} whose ref_cnt is {b.ref_cnt}")
+            first = e.start_pos // self.block_size
+            last = (e.start_pos + len(e) - 1) // self.block_size
+            if len(e.blocks) != last - first + 1:
+                raise RuntimeError("segment entry holds the wrong number of blocks")

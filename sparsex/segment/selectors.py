@@ -1,0 +1,57 @@
+"""Which reused tokens to recompute: one small interface, several rules.
+
+A selector scores the reused rows of one sequence; the blender keeps the top
+`recompute_ratio * num_reused` (plus every new row, plus the first `boundary_tokens` of each
+reused segment). Scores come from what the last full layer (`full_layers - 1`) computed:
+
+  kv_deviation  CacheBlend's rule: ||K_fresh - K_cached||^2 + ||V_fresh - V_cached||^2 at the last
+                full layer (the cached K/V are the re-rotated copies about to be overwritten).
+  sparse_q      ours; query-side: see `SparseQProbe` below.
+  boundary      EPIC's rule: the first tokens of each reused segment.
+  random        a control.
+  none / all    recompute nothing / everything ("all" must equal plain prefill).
+"""
+from __future__ import annotations
+
+import torch
+
+PROBE_SELECTORS = ("kv_deviation", "sparse_q")
+
+
+def boundary_scores(offsets: torch.Tensor) -> torch.Tensor:
+    """offsets: [n] position of each reused row inside its segment -> earlier is higher."""
+    return -offsets.to(torch.float32)
+
+
+def random_scores(n: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.rand(n, generator=generator)
+
+
+def kv_deviation_scores(k_fresh: torch.Tensor, v_fresh: torch.Tensor,
+                        k_cached: torch.Tensor, v_cached: torch.Tensor) -> torch.Tensor:
+    """All [n, num_kv_heads, head_dim] -> [n]."""
+    dk = (k_fresh.float() - k_cached.float()).pow(2).sum(dim=(-1, -2))
+    dv = (v_fresh.float() - v_cached.float()).pow(2).sum(dim=(-1, -2))
+    return dk + dv
+
+
+def outside_segment_mass(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, seg_lo: torch.Tensor,
+                         scale: float, chunk: int = 256) -> torch.Tensor:
+    """Attention mass a row's query puts on keys outside its own segment, from two log-sum-exps
+    (no attention matrix is kept).
+    q: [n, H, D] rows (positions q_pos [n], own segment starts at seg_lo [n]);
+    keys: [S, KVH, D] the sequence's keys at positions 0..S-1.  Returns [n] in [0, 1], head-averaged."""
+    n, num_heads, _ = q.shape
+    group = num_heads // keys.shape[1]
+    kf = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)     # [H, S, D]
+    key_pos = torch.arange(keys.shape[0], device=q.device)
+    out = torch.empty(n, device=q.device)
+    for c in range(0, n, chunk):
+        qc = q[c:c + chunk].float().transpose(0, 1)                       # [H, c, D]
+        s = torch.matmul(qc, kf.transpose(1, 2)) * scale                 # [H, c, S]
+        visible = key_pos[None, :] <= q_pos[c:c + chunk, None]           # [c, S]
+        own = visible & (key_pos[None, :] >= seg_lo[c:c + chunk, None])
+        lse_all = torch.logsumexp(s.masked_fill(~visible, float("-inf")), dim=-1)   # [H, c]
+        lse_own = torch.logsumexp(s.masked_fill(~own, float("-inf")), dim=-1)
+        out[c:c + chunk] = (1 - torch.exp(lse_own - lse_all)).mean(dim=0)
+    return out

@@ -1,0 +1,265 @@
+"""Triton kernels (attention, KV store, K/V re-rotation) against the torch reference.
+
+The Triton tests need triton and CUDA (or TRITON_INTERPRET=1, which runs the kernels on CPU tensors,
+slowly); they are skipped otherwise. The re-rotation reference test runs on CPU everywhere (CI).
+Inputs are random (never zeros) and outputs are poisoned with NaN first, so an unwritten element fails.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from sparsex.layers.attention_backend import TorchAttentionBackend
+from sparsex.layers.attention_metadata import AttentionMetadata
+from sparsex.layers.triton_rerotate import copy_and_rerotate_torch
+
+# relative-norm tolerances: fp32 runs through tf32 tensor cores; bf16 operands land near 4e-3
+TOL = {torch.float32: 2e-3, torch.bfloat16: 1.5e-2, torch.float16: 5e-3}
+# (num_heads, num_kv_heads): GQA ratios 1, 3, 4, 8
+GQA = [(4, 4), (6, 2), (8, 2), (16, 2)]
+
+
+@pytest.fixture
+def device() -> torch.device:
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return torch.device("cpu")
+    pytest.skip("Triton kernels need CUDA (or TRITON_INTERPRET=1)")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def make_batch(
+    seqs: list[tuple[int, torch.Tensor]],     # per sequence: (seq_len, absolute positions of its query rows)
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+    dtype: torch.dtype, device: torch.device, contiguous: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Random query rows and a filled paged cache whose blocks are scattered (a shuffled block pool)."""
+    blocks_per_seq = [(n + block_size - 1) // block_size for n, _ in seqs]
+    num_blocks = sum(blocks_per_seq) + 3
+    pool = torch.randperm(num_blocks)                                     # physical blocks, shuffled
+    max_blocks = max(blocks_per_seq)
+    block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)   # garbage beyond seq_len too
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    used = 0
+    slot_rows, positions, cu = [], [], [0]
+    for s, ((n, rows), nb) in enumerate(zip(seqs, blocks_per_seq)):
+        block_tables[s, :nb] = pool[used:used + nb].int()
+        used += nb
+        rows = rows.to(torch.int64)
+        slot_rows.append(block_tables[s, rows // block_size].long() * block_size + rows % block_size)
+        positions.append(rows)
+        cu.append(cu[-1] + rows.numel())
+    num_tokens = cu[-1]
+    query = torch.randn(num_tokens, num_heads, head_dim).to(dtype)
+    seq_lens = [n for n, _ in seqs]
+    md = AttentionMetadata(
+        positions=torch.cat(positions).to(device),
+        slot_mapping=torch.cat(slot_rows).to(device),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])),
+        max_seq_len=max(seq_lens),
+        cu_seqlens_q_cpu=cu,
+        seq_lens_cpu=seq_lens,
+        contiguous=contiguous,
+    )
+    return query.to(device), k_cache.to(device), v_cache.to(device), md
+
+
+def reference(query, k_cache, v_cache, md, scale) -> torch.Tensor:
+    """TorchAttentionBackend on fp32 copies: the exact answer the kernels approximate."""
+    return TorchAttentionBackend.attention(query.float(), k_cache.float(), v_cache.float(), md, scale)
+
+
+def check_attention(seqs, heads, head_dim, dtype, device, contiguous, block_size=16, decode=False):
+    from sparsex.layers import triton_attention as ta
+
+    num_heads, num_kv_heads = heads
+    query, k_cache, v_cache, md = make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size,
+                                             dtype, device, contiguous)
+    scale = 1.0 / math.sqrt(head_dim)
+    ref = reference(query, k_cache, v_cache, md, scale)
+    out = torch.full_like(query, float("nan"))
+    if decode:
+        ta.decode_attention(query, k_cache, v_cache, md, scale, out=out)
+    else:
+        ta.prefill_attention(query, k_cache, v_cache, md, scale, out=out)
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"rel err {err:.2e}"
+    # the backend's own dispatch gives the same result
+    again = ta.TritonAttentionBackend.attention(query, k_cache, v_cache, md, scale)
+    assert rel_err(again, ref) < TOL[dtype]
+    return err
+
+
+def full_rows(n: int) -> torch.Tensor:
+    return torch.arange(n)
+
+
+def tail_rows(n: int, q: int) -> torch.Tensor:
+    return torch.arange(n - q, n)
+
+
+def sparse_rows(n: int, frac: float, tail: int, gen: torch.Generator) -> torch.Tensor:
+    """A random subset of the prompt's positions plus its last `tail` positions, sorted."""
+    body = torch.randperm(n - tail, generator=gen)[: int(frac * (n - tail))]
+    return torch.cat((body.sort().values, torch.arange(n - tail, n)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", GQA)
+def test_prefill_ragged(device, heads, head_dim, dtype):
+    # block-unaligned lengths, a 1-token prompt, and one longer than several key tiles
+    seqs = [(n, full_rows(n)) for n in (1, 17, 100, 333)]
+    check_attention(seqs, heads, head_dim, dtype, device, contiguous=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", GQA)
+def test_extend_after_prefix_hit(device, heads, dtype):
+    # queries only for the tail: chunked prefill / prefix-cache hit; one chunk of a single row
+    seqs = [(300, tail_rows(300, 45)), (129, tail_rows(129, 1)), (520, tail_rows(520, 200)), (64, tail_rows(64, 64))]
+    check_attention(seqs, heads, 128, dtype, device, contiguous=True, block_size=32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", GQA)
+def test_sparse_rows(device, heads, head_dim, dtype):
+    gen = torch.Generator().manual_seed(heads[0] * 1000 + head_dim)
+    seqs = [(n, sparse_rows(n, frac, tail, gen)) for n, frac, tail in ((700, 0.15, 16), (257, 0.3, 1), (1500, 0.05, 64))]
+    check_attention(seqs, heads, head_dim, dtype, device, contiguous=False)
+
+
+def test_sparse_rows_with_empty_sequence(device):
+    # select_rows can leave a sequence with no rows; rows need not be sorted either
+    gen = torch.Generator().manual_seed(7)
+    rows = sparse_rows(400, 0.2, 8, gen)
+    rows = rows[torch.randperm(rows.numel(), generator=gen)]
+    seqs = [(50, torch.empty(0, dtype=torch.int64)), (400, rows), (90, torch.empty(0, dtype=torch.int64))]
+    check_attention(seqs, (8, 2), 128, torch.bfloat16, device, contiguous=False)
+
+
+@pytest.mark.parametrize("heads", GQA)
+def test_mixed_decode_and_prefill_rows(device, heads):
+    # decode rows and prefill chunks in one step go through the varlen kernel
+    seqs = [(1000, tail_rows(1000, 1)), (77, full_rows(77)), (2048, tail_rows(2048, 1)), (300, tail_rows(300, 30))]
+    check_attention(seqs, heads, 128, torch.bfloat16, device, contiguous=True, block_size=64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", GQA)
+def test_decode(device, heads, head_dim, dtype):
+    # long and short contexts in one batch: split-K with some splits empty for the short ones
+    lens = (1, 15, 16, 17, 4000, 12345)
+    seqs = [(n, tail_rows(n, 1)) for n in lens]
+    check_attention(seqs, heads, head_dim, dtype, device, contiguous=True, decode=True)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 64])
+def test_decode_split_counts(device, num_splits):
+    from sparsex.layers import triton_attention as ta
+
+    seqs = [(n, tail_rows(n, 1)) for n in (5, 700, 3001)]
+    query, k_cache, v_cache, md = make_batch(seqs, 32, 8, 128, 16, torch.bfloat16, device, True)
+    ref = reference(query, k_cache, v_cache, md, 0.1)
+    out = ta.decode_attention(query, k_cache, v_cache, md, 0.1, num_splits=num_splits)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv(device, dtype):
+    from sparsex.layers.triton_attention import TritonAttentionBackend
+
+    num_blocks, block_size, num_kv_heads, head_dim = 9, 16, 3, 64       # 3 heads: padded head tile
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, device=device).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(num_blocks * block_size, device=device)[:50]
+    key = torch.randn(50, num_kv_heads, head_dim, device=device).to(dtype)
+    value = torch.randn(50, num_kv_heads, head_dim, device=device).to(dtype)
+    TorchAttentionBackend.store_kv(key, value, k_ref, v_ref, slots)
+    TritonAttentionBackend.store_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+# ---- re-rotation ----------------------------------------------------------------------------
+
+
+def rope_f64(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """HF rotate_half RoPE in float64: x [n, heads, D] at positions pos [n] (rotary part = 2*len(inv_freq))."""
+    half = inv_freq.numel()
+    ang = pos.double()[:, None] * inv_freq.double()[None, :]             # [n, half]
+    c, s = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    x = x.double()
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), dim=-1)
+
+
+def rerotate_case(dtype: torch.dtype, head_dim: int, rot_dim: int, device: torch.device, fn) -> float:
+    gen = torch.Generator().manual_seed(head_dim + rot_dim)
+    num_blocks, block_size, num_kv_heads = 64, 16, 4
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, rot_dim, 2).float() / rot_dim))   # [rot/2], Llama-3 theta
+    n = 300
+    raw = torch.randn(n, num_kv_heads, head_dim, generator=gen)           # un-rotated keys
+    a = torch.randint(0, 30000, (n,), generator=gen)                      # old positions
+    b = torch.randint(0, 30000, (n,), generator=gen)                      # new positions
+    slots = torch.randperm(num_blocks * block_size, generator=gen)
+    src, dst = slots[:n], slots[n:2 * n]                                  # disjoint
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    k_cache.view(-1, num_kv_heads, head_dim)[src] = rope_f64(raw, a, inv_freq).to(dtype)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[dst] = False
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    k_cache, v_cache = k_cache.to(device), v_cache.to(device)
+    fn(k_cache, v_cache, src.to(device), dst.to(device), (b - a).to(device), inv_freq.to(device))
+    k_cache, v_cache = k_cache.cpu(), v_cache.cpu()
+    k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    want = rope_f64(raw, b, inv_freq)                                     # the key computed at its new position
+    assert torch.equal(v_flat[dst], v_before.view(-1, num_kv_heads, head_dim)[src])
+    assert torch.equal(k_flat[untouched], k_before.view(-1, num_kv_heads, head_dim)[untouched])
+    assert torch.equal(v_flat[untouched], v_before.view(-1, num_kv_heads, head_dim)[untouched])
+    return rel_err(k_flat[dst], want)
+
+
+@pytest.mark.parametrize("head_dim,rot_dim", [(64, 64), (128, 128), (128, 64)])
+def test_rerotate_torch_matches_rope_at_new_position(head_dim, rot_dim):
+    assert rerotate_case(torch.float32, head_dim, rot_dim, torch.device("cpu"), copy_and_rerotate_torch) < 1e-5
+    assert rerotate_case(torch.bfloat16, head_dim, rot_dim, torch.device("cpu"), copy_and_rerotate_torch) < 1e-2
+
+
+def test_rerotate_torch_round_trip_and_in_place():
+    # rotating by +d then -d in place gives the key back (rows moved onto themselves)
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(8, 16, 2, 64, generator=gen)
+    v_cache = torch.randn(8, 16, 2, 64, generator=gen)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    slots = torch.arange(0, 128, 3)
+    delta = torch.randint(-5000, 5000, (slots.numel(),), generator=gen)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    copy_and_rerotate_torch(k_cache, v_cache, slots, slots, delta, inv_freq)
+    assert not torch.allclose(k_cache, k0)
+    copy_and_rerotate_torch(k_cache, v_cache, slots, slots, -delta, inv_freq)
+    assert torch.allclose(k_cache, k0, atol=1e-5) and torch.equal(v_cache, v0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,rot_dim", [(64, 64), (128, 128), (128, 64)])
+def test_rerotate_triton(device, dtype, head_dim, rot_dim):
+    from sparsex.layers.triton_rerotate import copy_and_rerotate
+
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rerotate_case(dtype, head_dim, rot_dim, device, copy_and_rerotate) < tol
