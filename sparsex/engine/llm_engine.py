@@ -43,7 +43,8 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        loaded = load_model(config.model, dtype=torch.float32, cache_dir=config.cache_dir, seed=config.seed)
+        loaded = load_model(config.model, dtype=torch.float32, cache_dir=config.cache_dir, seed=config.seed,
+                            dummy_weights=False)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config

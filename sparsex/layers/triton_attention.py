@@ -249,9 +249,8 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _precision(dtype: torch.dtype) -> str:
-    # fp32 inputs go through the tensor cores as tf32 (rel. error ~3e-4), like most serving engines
-    return "tf32" if dtype == torch.float32 else "ieee"
+# fp32 inputs go through the tensor cores as tf32 (rel. error ~3e-4); bf16/fp16 ignore this
+_DOT_PRECISION = "tf32"
 
 
 def _prefill_config(head_dim: int, dtype: torch.dtype, group: int) -> dict:
@@ -260,7 +259,8 @@ def _prefill_config(head_dim: int, dtype: torch.dtype, group: int) -> dict:
     elif head_dim <= 64:
         cfg = dict(block_m=128, block_n=64, num_warps=4, num_stages=3)
     else:
-        cfg = dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
+        # measured best on the H200 for head_dim 128 bf16 of six configs (benchmarks/gpu_kernels.py --sweep)
+        cfg = dict(block_m=128, block_n=128, num_warps=8, num_stages=2)
     cfg["block_m"] = max(cfg["block_m"], triton.next_power_of_2(group))  # at least one row per tile
     return cfg
 
@@ -302,16 +302,20 @@ def prefill_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         md.block_tables.stride(0),
         G=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], PREC=_precision(query.dtype),
+        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], PREC=_DOT_PRECISION,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
-    """Splits per sequence so that ~4 programs per SM are in flight, each with >= one key block."""
-    want = triton.cdiv(4 * num_sms, num_seqs * num_kv_heads)
-    return max(1, min(want, triton.cdiv(max_seq_len, block_n), 64))
+    """Split-K only when (sequence, KV head) programs fill less than one wave of SMs: then aim at
+    ~2 programs per SM, each with at least two key blocks. A full wave gains nothing from the merge."""
+    programs = num_seqs * num_kv_heads
+    if programs >= num_sms:
+        return 1
+    want = triton.cdiv(2 * num_sms, programs)
+    return max(1, min(want, triton.cdiv(max_seq_len, 2 * block_n), 64))
 
 
 def decode_attention(
@@ -349,7 +353,7 @@ def decode_attention(
         md.block_tables.stride(0), num_heads, num_splits,
         G=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, SPLIT=num_splits > 1,
-        PREC=_precision(query.dtype), num_warps=num_warps, num_stages=num_stages,
+        PREC=_DOT_PRECISION, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](

@@ -90,17 +90,19 @@ def dummy_config(shape: str) -> ModelConfig:
     return ModelConfig.from_hf_config(DUMMY_SHAPES[shape])
 
 
-def random_weights(config: ModelConfig, *, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
-    """N(0, 0.02) projections/embeddings/biases and unit norms, deterministic in `seed`.
+def random_weights(
+    config: ModelConfig, *, dtype: torch.dtype, seed: int, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """N(0, 0.02) projections/embeddings/biases and unit norms, deterministic in `seed` (per device).
 
-    Generated directly in `dtype` (no float32 staging copy): an 8B model in bfloat16 is 16 GB,
-    in float32 it would be 32 GB.
+    Generated directly in `dtype` on `device` (no float32 CPU staging copy): an 8B model in
+    bfloat16 is 16 GB, in float32 32 GB, more than a 24 GB CPU host holds.
     """
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     weights: dict[str, torch.Tensor] = {}
     for name, shape in param_shapes(config).items():   # fixed order => reproducible stream
         if is_norm_weight(name):
-            weights[name] = torch.ones(shape, dtype=dtype)
+            weights[name] = torch.ones(shape, dtype=dtype, device=device)
         else:
-            weights[name] = torch.empty(shape, dtype=dtype).normal_(0.0, 0.02, generator=gen)
+            weights[name] = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
     return weights

@@ -118,6 +118,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     cache_dir: str | None = None,
     seed: int = 0,
+    dummy_weights: bool = True,
 ) -> LoadedModel:
     """Load weights (HF names, `dtype`, CPU), config and tokenizer for a model spec.
 
@@ -131,7 +132,8 @@ def load_model(
     shape = dummy_shape_of(resolved)
     if shape is not None:
         config = dummy_config(shape)
-        weights = random_weights(config, dtype=dtype, seed=seed)
+        # the engine draws dummy weights on its device instead (an 8B model does not fit in CPU RAM as fp32)
+        weights = random_weights(config, dtype=dtype, seed=seed) if dummy_weights else {}
         return LoadedModel(config, weights, _dummy_tokenizer(root), None, resolved)
 
     if resolved == SMOLLM2_NAME:

@@ -1,0 +1,290 @@
+"""Time SparseX's Triton kernels on one GPU against torch, and print a table (GPU machine only).
+
+    PYTHONPATH=. python3 benchmarks/gpu_kernels.py [--sweep] [--out DIR]
+
+Shapes are Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128), bf16, KV block size 16,
+with the cache blocks shuffled (a fragmented pool, as in serving). Every case first checks the
+Triton output against torch (rel. L2 error, printed). Times are medians of CUDA-event timings
+(triton.testing.do_bench, which also flushes the L2 before every run), after warm-up.
+
+Rates are against ceilings measured in the same call: a device-to-device copy (bytes read + written)
+and an 8192^3 bf16 matmul. Causal attention FLOPs count only visible (row, key) pairs:
+4 * head_dim * num_heads * sum over rows of (position + 1).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from sparsex.layers.attention_backend import TorchAttentionBackend  # noqa: E402
+from sparsex.layers.attention_metadata import AttentionMetadata  # noqa: E402
+from sparsex.layers.triton_attention import (  # noqa: E402
+    TritonAttentionBackend, _decode_kernel, _prefill_kernel, decode_attention, prefill_attention,
+)
+from sparsex.layers.triton_rerotate import copy_and_rerotate, copy_and_rerotate_torch  # noqa: E402
+
+H, HKV, D, BS = 32, 8, 128, 16
+DT = torch.bfloat16
+DEV = torch.device("cuda")
+SCALE = 1.0 / math.sqrt(D)
+ROWS: list[dict] = []
+
+
+def bench_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def record(case: str, impl: str, ms: float, *, flops: float | None = None, nbytes: float | None = None,
+           err: float | None = None, note: str = "") -> None:
+    ROWS.append(dict(case=case, impl=impl, ms=ms, flops=flops, bytes=nbytes, err=err, note=note))
+    print(f"  {case:34s} {impl:34s} {ms:9.3f} ms  err={err if err is not None else '-'} {note}", flush=True)
+
+
+def measure_ceilings() -> tuple[float, float]:
+    x = torch.randn(512 * 2**20, device=DEV, dtype=torch.float32)          # 2 GiB
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=10, rep=100, return_mode="median")
+    tbps = 2 * x.numel() * 4 / ms / 1e9
+    del x, y
+    a = torch.randn(8192, 8192, device=DEV, dtype=DT)
+    b = torch.randn(8192, 8192, device=DEV, dtype=DT)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=10, rep=200, return_mode="median")
+    return tbps, 2 * 8192**3 / ms / 1e9
+
+
+def paged_batch(seq_lens: list[int], rows: list[torch.Tensor], contiguous: bool):
+    """Random K/V for every position of each sequence in shuffled cache blocks, plus query rows."""
+    nbs = [(n + BS - 1) // BS for n in seq_lens]
+    pool = torch.randperm(sum(nbs), device=DEV).int()
+    bt = torch.zeros(len(seq_lens), max(nbs), dtype=torch.int32, device=DEV)
+    k_cache = torch.empty(sum(nbs), BS, HKV, D, device=DEV, dtype=DT)
+    v_cache = torch.empty_like(k_cache)
+    dense_k, dense_v, pos, slots, cu, used = [], [], [], [], [0], 0
+    for s, (n, r, nb) in enumerate(zip(seq_lens, rows, nbs)):
+        bt[s, :nb] = pool[used:used + nb]
+        used += nb
+        k = torch.randn(n, HKV, D, device=DEV, dtype=DT)                   # [n, HKV, D]
+        v = torch.randn(n, HKV, D, device=DEV, dtype=DT)
+        all_slots = bt[s, torch.arange(n, device=DEV) // BS].long() * BS + torch.arange(n, device=DEV) % BS
+        TorchAttentionBackend.store_kv(k, v, k_cache, v_cache, all_slots)
+        dense_k.append(k)
+        dense_v.append(v)
+        r = r.to(DEV)
+        pos.append(r)
+        slots.append(all_slots[r])
+        cu.append(cu[-1] + r.numel())
+    md = AttentionMetadata(
+        positions=torch.cat(pos), slot_mapping=torch.cat(slots),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=DEV),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV), block_tables=bt,
+        max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])), max_seq_len=max(seq_lens),
+        cu_seqlens_q_cpu=cu, seq_lens_cpu=list(seq_lens), contiguous=contiguous,
+    )
+    q = torch.randn(cu[-1], H, D, device=DEV, dtype=DT)                    # [T, H, D]
+    return q, k_cache, v_cache, md, dense_k, dense_v
+
+
+def causal_flops(positions: torch.Tensor) -> float:
+    return 4.0 * D * H * float((positions.double() + 1).sum())
+
+
+def sdpa(q, k, v, backend, **kw):
+    with sdpa_kernel([backend]):
+        return F.scaled_dot_product_attention(q, k, v, scale=SCALE, **kw)
+
+
+def prefill_cases(sweep: bool) -> None:
+    configs = [dict(block_m=128, block_n=64, num_warps=8, num_stages=3)]
+    if sweep:
+        configs += [dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
+                    dict(block_m=128, block_n=64, num_warps=4, num_stages=3),
+                    dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
+                    dict(block_m=128, block_n=32, num_warps=4, num_stages=4),
+                    dict(block_m=128, block_n=64, num_warps=8, num_stages=4)]
+    for n in (2048, 8192, 32768):
+        case = f"prefill {n // 1024}k (1 seq, causal)"
+        q, kc, vc, md, dk, dv = paged_batch([n], [torch.arange(n)], contiguous=True)
+        flops = causal_flops(md.positions)
+        # dense contiguous [1, H, n, D] tensors for SDPA, K/V expanded to H heads (the flash path)
+        qd = q.transpose(0, 1).unsqueeze(0)
+        kd = dk[0].repeat_interleave(H // HKV, 1).transpose(0, 1).unsqueeze(0).contiguous()
+        vd = dv[0].repeat_interleave(H // HKV, 1).transpose(0, 1).unsqueeze(0).contiguous()
+        ref = sdpa(qd, kd, vd, SDPBackend.FLASH_ATTENTION, is_causal=True)
+        record(case, "torch SDPA flash (dense, is_causal)",
+               bench_ms(lambda: sdpa(qd, kd, vd, SDPBackend.FLASH_ATTENTION, is_causal=True)), flops=flops)
+        try:
+            out = sdpa(qd, kd, vd, SDPBackend.CUDNN_ATTENTION, is_causal=True)
+            record(case, "torch SDPA cuDNN (dense, is_causal)",
+                   bench_ms(lambda: sdpa(qd, kd, vd, SDPBackend.CUDNN_ATTENTION, is_causal=True)),
+                   flops=flops, err=rel_err(out, ref))
+        except RuntimeError as e:                                          # backend not available
+            print(f"  cuDNN SDPA unavailable: {str(e)[:80]}")
+        ref_t = ref[0].transpose(0, 1)                                      # [n, H, D]
+        for cfg in configs:
+            out = prefill_attention(q, kc, vc, md, SCALE, **cfg)
+            tag = "m{block_m} n{block_n} w{num_warps} s{num_stages}".format(**cfg)
+            record(case, f"triton paged ({tag})",
+                   bench_ms(lambda: prefill_attention(q, kc, vc, md, SCALE, out=out, **cfg)),
+                   flops=flops, err=rel_err(out, ref_t))
+        del q, kc, vc, md, dk, dv, qd, kd, vd, ref, ref_t
+        torch.cuda.empty_cache()
+
+
+def sparse_cases(sweep: bool) -> None:
+    configs = [dict(block_m=128, block_n=64, num_warps=8, num_stages=3)]
+    if sweep:
+        configs += [dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
+                    dict(block_m=128, block_n=128, num_warps=8, num_stages=2)]
+    gen = torch.Generator().manual_seed(0)
+    for n in (8192, 32768):
+        body = torch.randperm(n - 64, generator=gen)[: int(0.15 * (n - 64))].sort().values
+        rows = torch.cat((body, torch.arange(n - 64, n)))                  # 15% of the prompt + 64 tail rows
+        case = f"sparse extend {n // 1024}k ({rows.numel()} rows)"
+        q, kc, vc, md, dk, dv = paged_batch([n], [rows], contiguous=False)
+        flops = causal_flops(md.positions)
+        qd = q.transpose(0, 1).unsqueeze(0)                                 # [1, H, R, D]
+        kd = dk[0].repeat_interleave(H // HKV, 1).transpose(0, 1).unsqueeze(0).contiguous()
+        vd = dv[0].repeat_interleave(H // HKV, 1).transpose(0, 1).unsqueeze(0).contiguous()
+        mask = torch.arange(n, device=DEV)[None, :] <= md.positions[:, None]  # [R, n] exact per-row causal
+        ref = sdpa(qd, kd, vd, SDPBackend.EFFICIENT_ATTENTION, attn_mask=mask)
+        record(case, "torch SDPA mem-efficient + bool mask",
+               bench_ms(lambda: sdpa(qd, kd, vd, SDPBackend.EFFICIENT_ATTENTION, attn_mask=mask)), flops=flops)
+        if n <= 8192:
+            out = TorchAttentionBackend.attention(q, kc, vc, md, SCALE)
+            record(case, "TorchAttentionBackend (gather+mask)",
+                   bench_ms(lambda: TorchAttentionBackend.attention(q, kc, vc, md, SCALE)),
+                   flops=flops, err=rel_err(out, ref[0].transpose(0, 1)))
+        ref_t = ref[0].transpose(0, 1)
+        for cfg in configs:
+            out = prefill_attention(q, kc, vc, md, SCALE, **cfg)
+            tag = "m{block_m} n{block_n} w{num_warps} s{num_stages}".format(**cfg)
+            record(case, f"triton paged ({tag})",
+                   bench_ms(lambda: prefill_attention(q, kc, vc, md, SCALE, out=out, **cfg)),
+                   flops=flops, err=rel_err(out, ref_t))
+        del q, kc, vc, md, dk, dv, qd, kd, vd, mask, ref, ref_t
+        torch.cuda.empty_cache()
+
+
+def decode_cases(sweep: bool) -> None:
+    ctx = 2048
+    for b in (1, 16, 64):
+        case = f"decode batch {b}, ctx {ctx}"
+        q, kc, vc, md, dk, dv = paged_batch([ctx] * b, [torch.tensor([ctx - 1])] * b, contiguous=True)
+        nbytes = 2.0 * b * ctx * HKV * D * 2 + 2.0 * q.numel() * 2            # K + V once, q in, out
+        kd = torch.stack(dk).transpose(1, 2)                                # [b, HKV, ctx, D]
+        vd = torch.stack(dv).transpose(1, 2)
+        qd = q.unsqueeze(2)                                                 # [b, H, 1, D]
+        ref = F.scaled_dot_product_attention(qd, kd, vd, scale=SCALE, enable_gqa=True)[:, :, 0]
+        record(case, "torch SDPA (dense, enable_gqa)",
+               bench_ms(lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=SCALE, enable_gqa=True)),
+               nbytes=nbytes)
+        variants = [dict()]
+        if sweep:
+            variants += [dict(num_splits=1), dict(block_n=128), dict(num_splits=16)]
+        for v in variants:
+            out = decode_attention(q, kc, vc, md, SCALE, **v)
+            tag = ",".join(f"{k}={x}" for k, x in v.items()) or "auto splits"
+            record(case, f"triton paged decode ({tag})",
+                   bench_ms(lambda: decode_attention(q, kc, vc, md, SCALE, out=out, **v)),
+                   nbytes=nbytes, err=rel_err(out, ref))
+        out = TritonAttentionBackend.attention(q, kc, vc, md, SCALE)        # dispatch picks decode
+        assert rel_err(out, ref) < 2e-2
+        del q, kc, vc, md, dk, dv, kd, vd, qd, ref
+        torch.cuda.empty_cache()
+
+
+def copy_cases() -> None:
+    n = 8192                                                                # one 8k-token segment, one layer
+    num_blocks = 4 * n // BS
+    kc = torch.randn(num_blocks, BS, HKV, D, device=DEV, dtype=DT)
+    vc = torch.randn_like(kc)
+    perm = torch.randperm(num_blocks * BS, device=DEV)
+    src, dst = perm[:n], perm[n:2 * n]
+    delta = torch.randint(-20000, 20000, (n,), device=DEV)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device=DEV).float() / D))
+    nbytes = 4.0 * n * HKV * D * 2                                          # K, V read + written
+    k2, v2 = kc.clone(), vc.clone()
+    copy_and_rerotate(kc, vc, src, dst, delta, inv_freq)
+    copy_and_rerotate_torch(k2, v2, src, dst, delta, inv_freq)
+    err = rel_err(kc.view(-1, HKV, D)[dst], k2.view(-1, HKV, D)[dst])
+    case = f"re-rotate + copy {n} rows (1 layer)"
+    record(case, "torch reference", bench_ms(lambda: copy_and_rerotate_torch(kc, vc, src, dst, delta, inv_freq)),
+           nbytes=nbytes)
+    record(case, "triton", bench_ms(lambda: copy_and_rerotate(kc, vc, src, dst, delta, inv_freq)),
+           nbytes=nbytes, err=err)
+    key = torch.randn(n, HKV, D, device=DEV, dtype=DT)
+    val = torch.randn_like(key)
+    case = f"store_kv {n} tokens (1 layer)"
+    record(case, "torch index_copy_", bench_ms(lambda: TorchAttentionBackend.store_kv(key, val, kc, vc, dst)),
+           nbytes=nbytes)
+    record(case, "triton", bench_ms(lambda: TritonAttentionBackend.store_kv(key, val, kc, vc, dst)), nbytes=nbytes)
+
+
+def kernel_report() -> None:
+    """Registers, spills and whether the tensor-core path is wgmma (Hopper) for each compiled kernel."""
+    for fn in (_prefill_kernel, _decode_kernel):
+        try:
+            for kern in fn.device_caches[torch.cuda.current_device()][0].values():
+                ptx = kern.asm.get("ptx", "")
+                print(f"  {fn.__name__}: regs={kern.n_regs} spills={kern.n_spills} "
+                      f"warps={kern.metadata.num_warps} shared={kern.metadata.shared} "
+                      f"wgmma={'wgmma' in ptx} mma.sync={'mma.sync' in ptx}")
+        except Exception as e:                                             # introspection is best effort
+            print(f"  {fn.__name__}: no report ({e!r})")
+
+
+def print_table(tbps: float, tflops: float) -> None:
+    print(f"\nNVIDIA H200 (lent): {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"measured ceilings: copy {tbps:.2f} TB/s, bf16 matmul {tflops:.0f} TFLOP/s")
+    print(f"shape: {H} heads, {HKV} kv heads, head_dim {D}, bf16, KV block size {BS}\n")
+    print("| case | implementation | time (ms) | TFLOP/s | TB/s | % of ceiling | rel err |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in ROWS:
+        tf = r["flops"] / r["ms"] / 1e9 if r["flops"] else None
+        bw = r["bytes"] / r["ms"] / 1e9 if r["bytes"] else None
+        frac = tf / tflops if tf else (bw / tbps if bw else None)
+        cells = [r["case"], r["impl"], f"{r['ms']:.3f}", f"{tf:.0f}" if tf else "", f"{bw:.2f}" if bw else "",
+                 f"{100 * frac:.0f}%" if frac else "", f"{r['err']:.1e}" if r["err"] is not None else ""]
+        print("| " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
+    ap.add_argument("--out", default=None, help="folder for a JSON copy of the results")
+    ap.add_argument("--only", default="prefill,sparse,decode,copy")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    tbps, tflops = measure_ceilings()
+    print(f"ceilings: {tbps:.2f} TB/s copy, {tflops:.0f} TFLOP/s bf16 matmul", flush=True)
+    only = args.only.split(",")
+    if "prefill" in only:
+        prefill_cases(args.sweep)
+    if "sparse" in only:
+        sparse_cases(args.sweep)
+    if "decode" in only:
+        decode_cases(args.sweep)
+    if "copy" in only:
+        copy_cases()
+    kernel_report()
+    print_table(tbps, tflops)
+    if args.out:
+        with open(os.path.join(args.out, "gpu_kernels.json"), "w") as f:
+            json.dump(dict(ceilings=dict(tbps=tbps, tflops=tflops), rows=ROWS), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,315 @@
+"""The `sparsex` command line.
+
+    sparsex generate PROMPT [--model M] [--max-tokens N] [--temperature T] [--cache C] [--dtype D] [--chat]
+    sparsex demo [--model M] [--cache C] [--quick] [--no-compare]
+    sparsex bench throughput [--num-prompts N] [--input-len N] [--output-len N] [--dtype D]
+    sparsex bench prefill [--lengths 512,1024,...] [--repeats N] [--plot PATH]
+    sparsex bench serve ...      (when sparsex.bench.serve_bench is installed)
+    sparsex serve ...            (when sparsex.entrypoints.serve_cli is installed)
+
+Every subcommand takes --threads N (torch intra-op threads). Bad arguments and engine ValueErrors
+exit with status 2 and a one-line message, never a traceback.
+
+Hooks for subcommands that live in other modules: `add_serve_parser(subparsers)` and
+`add_serve_bench_parser(subparsers)` add their parser to the given subparsers action. The handler is
+the parser's `func` default if they set one, else `run_serve` / `run_serve_bench` of the same
+module; it takes the parsed `argparse.Namespace` and returns an exit status (None means 0).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable, Sequence
+
+from sparsex.config import CACHE_MODES
+
+DEFAULT_MODEL = "smollm2-135m-instruct"    # = sparsex.models.loader.DEFAULT_MODEL, without importing torch
+DTYPES = ("bfloat16", "float32", "float16")
+EXIT_USAGE = 2
+
+
+# ---------------------------------------------------------------------------- argument types
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
+    if not value >= 0:          # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
+def length_list(text: str) -> tuple[int, ...]:
+    """`512,1024,2048` -> (512, 1024, 2048)."""
+    parts = [p for p in text.replace(" ", "").split(",") if p]
+    if not parts:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of token counts")
+    return tuple(positive_int(p) for p in parts)
+
+
+# ---------------------------------------------------------------------------- parser
+
+def _common() -> argparse.ArgumentParser:
+    """Options every subcommand shares (argparse `parents=`)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"model name, .gguf file, HF model directory or dummy:<shape> (default {DEFAULT_MODEL})")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch intra-op threads (default: torch's choice, one per core). On a machine shared "
+                        "with other busy processes, 1 is often much faster than oversubscribing the cores")
+    return p
+
+
+def _add_generate(sub, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("generate", parents=[common], help="generate a completion for one prompt",
+                       description="Generate text for PROMPT and print it with latency and cache statistics.")
+    p.add_argument("prompt", help="the prompt text (with --chat: the user message)")
+    p.add_argument("--max-tokens", type=positive_int, default=64)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache", choices=CACHE_MODES, default="prefix")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--chat", action="store_true", help="wrap PROMPT as a user message in the chat template")
+    p.add_argument("--system", default=None, help="with --chat: a system message")
+    p.set_defaults(func=_run_generate)
+
+
+def _add_demo(sub, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("demo", parents=[common], help="RAG + chat workload with segment reuse, vs no cache",
+                       description="Run a small interleaved RAG + chat workload with KV reuse, print each "
+                                   "answer with its TTFT and cache counters, then compare with cache=none.")
+    p.add_argument("--cache", choices=CACHE_MODES, default="sparsex")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--max-tokens", type=positive_int, default=24)
+    p.add_argument("--quick", action="store_true", help="3 short requests (a smoke test)")
+    p.add_argument("--no-compare", action="store_true", help="skip the cache=none rerun")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_run_demo)
+
+
+def _add_bench(sub, common: argparse.ArgumentParser) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (throughput, prefill, ...)")
+    bsub = bench.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
+
+    p = bsub.add_parser("throughput", parents=[common],
+                        help="batch throughput on random prompts, vs transformers generate",
+                        description="Offline throughput: seeded random prompts, ignore_eos, the engine "
+                                    "vs transformers generate (batched, left padding) in the same process.")
+    p.add_argument("--num-prompts", type=positive_int, default=8)
+    p.add_argument("--input-len", type=positive_int, default=256)
+    p.add_argument("--output-len", type=positive_int, default=128)
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.set_defaults(func=_run_bench_throughput)
+
+    p = bsub.add_parser("prefill", parents=[common], help="cold TTFT vs prompt length, vs a transformers forward",
+                        description="Cold prefill (cache=none) TTFT per prompt length, median of repeats, "
+                                    "the engine vs a transformers forward of the same ids.")
+    p.add_argument("--lengths", type=length_list, default=(512, 1024, 2048, 4096),
+                   help="comma-separated prompt lengths (default 512,1024,2048,4096)")
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--no-hf-all-logits", action="store_true",
+                   help="skip the transformers variant that computes every row's logits")
+    p.add_argument("--plot", default="docs/img/prefill_cpu.png", help="PNG path ('' for none)")
+    p.set_defaults(func=_run_bench_prefill)
+
+    _add_hooked(bsub, "sparsex.bench.serve_bench", "add_serve_bench_parser", "run_serve_bench", "serve")
+
+
+def _add_hooked(sub, module: str, adder: str, runner: str, command: str) -> None:
+    """Register a subcommand another module provides, if that module is there.
+
+    Absent module: no subcommand. A module that exists but fails to import (say, a missing optional
+    dependency) gets a stub subcommand that reports why, instead of breaking every other command."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name == module:
+            return
+        _add_unavailable(sub, command, module, e)
+        return
+    except ImportError as e:
+        _add_unavailable(sub, command, module, e)
+        return
+    getattr(mod, adder)(sub)
+    parser = sub.choices.get(command)
+    if parser is not None and parser.get_default("func") is None:
+        run = getattr(mod, runner, None)
+        parser.set_defaults(func=run if run is not None else _missing_runner(module, runner))
+
+
+def _add_unavailable(sub, command: str, module: str, error: Exception) -> None:
+    # No option prefix: whatever options the real subcommand would take land in `rest` unparsed,
+    # so the user sees why the command is unavailable rather than an argument error.
+    p = sub.add_parser(command, help=f"(unavailable: {error})", add_help=False, prefix_chars="\x00")
+    p.add_argument("rest", nargs="*")
+
+    def fail(_args: argparse.Namespace) -> int:
+        raise ValueError(f"'{command}' is unavailable: importing {module} failed: {error}")
+
+    p.set_defaults(func=fail)
+
+
+def _missing_runner(module: str, runner: str) -> Callable[[argparse.Namespace], int]:
+    def fail(_args: argparse.Namespace) -> int:
+        raise ValueError(f"{module} registered a subcommand without a handler and has no {runner}()")
+    return fail
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sparsex", description="SparseX: LLM serving with segment-level KV reuse.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    common = _common()
+    _add_generate(sub, common)
+    _add_demo(sub, common)
+    _add_bench(sub, common)
+    _add_hooked(sub, "sparsex.entrypoints.serve_cli", "add_serve_parser", "run_serve", "serve")
+    return parser
+
+
+# ---------------------------------------------------------------------------- handlers
+# Heavy imports (torch, transformers) stay inside the handlers: `sparsex --help` and argument
+# errors then answer at once.
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from sparsex.entrypoints.llm import LLM
+    from sparsex.models.loader import resolve_model_name
+    from sparsex.sampling_params import SamplingParams
+
+    resolve_model_name(args.model)         # an unknown model fails before any loading
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seed=args.seed)
+    llm = LLM(model=args.model, dtype=args.dtype, cache=args.cache, seed=args.seed)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        out = llm.chat(messages, params, use_tqdm=False)[0]
+    else:
+        if args.system:
+            raise ValueError("--system needs --chat")
+        out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    _print_generation(out, llm)
+    return 0
+
+
+def _print_generation(out, llm) -> None:
+    import torch
+
+    comp = out.outputs[0]
+    m = out.metrics
+    n = len(comp.token_ids)
+    decode_s = (m.e2e or 0.0) - (m.ttft or 0.0)
+    # decode speed excludes the first token, which the prefill produced
+    decode = f"{(n - 1) / decode_s:.1f} tokens/s" if n > 1 and decode_s > 0 else "n/a (one token)"
+    print(comp.text)
+    print()
+    print("--- stats ---")
+    rows = [
+        ("model", f"{llm.llm_engine.model_name} ({llm.config.dtype}, cache={llm.config.cache}, "
+                  f"threads={torch.get_num_threads()})"),
+        ("prompt tokens", str(len(out.prompt_token_ids))),
+        ("generated tokens", f"{n} (finish: {comp.finish_reason})"),
+        ("TTFT", f"{m.ttft * 1e3:.0f} ms"),
+        ("decode", decode),
+        ("end-to-end", f"{m.e2e * 1e3:.0f} ms, {n / m.e2e:.1f} tokens/s"),
+        ("prefix-cached tokens", str(out.num_cached_tokens)),
+        ("segment-reused tokens", str(out.num_reused_tokens)),
+        ("recomputed tokens", str(out.num_recomputed_tokens)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k + ':':<{width + 2}}{v}")
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from sparsex.demo import DemoConfig, run_demo
+    from sparsex.models.loader import resolve_model_name
+
+    resolve_model_name(args.model)
+    return run_demo(DemoConfig(model=args.model, cache=args.cache, dtype=args.dtype, max_tokens=args.max_tokens,
+                               quick=args.quick, compare=not args.no_compare, seed=args.seed))
+
+
+def _bench_header(args: argparse.Namespace) -> None:
+    import os
+
+    import torch
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"model={args.model} dtype={args.dtype} threads={torch.get_num_threads()} "
+          f"cores={os.cpu_count()} load1={load:.2f}", flush=True)
+
+
+def _run_bench_throughput(args: argparse.Namespace) -> int:
+    from sparsex.bench.throughput import ThroughputConfig, format_table, run_throughput
+    from sparsex.models.loader import resolve_model_name
+
+    resolve_model_name(args.model)
+    _bench_header(args)
+    cfg = ThroughputConfig(model=args.model, num_prompts=args.num_prompts, input_len=args.input_len,
+                           output_len=args.output_len, dtype=args.dtype, seed=args.seed, hf=not args.no_hf)
+    print(format_table(run_throughput(cfg)))
+    return 0
+
+
+def _run_bench_prefill(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+
+    from sparsex.bench.prefill import PrefillConfig, format_table, run_prefill, save_plot
+    from sparsex.models.loader import resolve_model_name
+
+    resolve_model_name(args.model)
+    _bench_header(args)
+    cfg = PrefillConfig(model=args.model, lengths=tuple(args.lengths), repeats=args.repeats, dtype=args.dtype,
+                        seed=args.seed, hf=not args.no_hf, hf_full_logits=not args.no_hf_all_logits)
+    points = run_prefill(cfg)
+    print(format_table(points))
+    if args.plot:
+        title = (f"cold prefill, {args.model} {args.dtype}, {torch.get_num_threads()} threads, "
+                 f"{os.cpu_count()} cores, median of {args.repeats}")
+        save_plot(points, args.plot, title)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- entry point
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)          # usage errors: argparse prints them and exits 2
+    threads = getattr(args, "threads", None)       # hooked subcommands may not define --threads
+    if threads is not None:
+        import torch
+        torch.set_num_threads(threads)
+    try:
+        status = args.func(args)
+    except ValueError as e:
+        # Invalid input discovered past argparse (unknown model, prompt too long, ...): one line.
+        print(f"sparsex {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0 if status is None else int(status)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""From an HTTP request body to the engine's SamplingParams, refusing what the engine cannot do."""
+from __future__ import annotations
+
+from sparsex.entrypoints.errors import bad_request
+from sparsex.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from sparsex.sampling_params import SamplingParams
+
+
+def _unsupported(field: str, why: str = "is not supported by this server") -> None:
+    raise bad_request(f"{field} {why}", param=field, code="unsupported_parameter")
+
+
+def check_supported(req: _SamplingFields) -> None:
+    """400 for OpenAI features that would otherwise be silently ignored."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0, 0.0):
+            _unsupported(name)
+    if req.logit_bias:
+        _unsupported("logit_bias")
+    if req.stream_options is not None and not req.stream:
+        _unsupported("stream_options", "is only allowed when stream is true")
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            _unsupported("top_logprobs", "needs logprobs: true")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            _unsupported("response_format", "other than {'type': 'text'} is not supported")
+        if req.tool_choice not in (None, "none", "auto"):
+            _unsupported("tool_choice", "other than 'none' or 'auto' is not supported")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            _unsupported("echo")
+        if req.suffix:
+            _unsupported("suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            _unsupported("best_of", "other than n is not supported")
+
+
+def to_sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """`max_tokens=None`: up to the context length."""
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+    except ValueError as e:
+        raise bad_request(str(e)) from e
+
+
+def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return to_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+
+
+def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
+    return to_sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)

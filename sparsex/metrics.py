@@ -1,0 +1,135 @@
+"""Prometheus metrics of a running server, vLLM-style names under `sparsex:`.
+
+Each `ServerMetrics` owns a CollectorRegistry (never the process-global one), so several servers
+or apps can live in one process (tests) without name clashes. All `on_*` hooks are called from the
+engine-loop thread only; prometheus_client's metric objects are thread-safe for the scrape.
+
+Cumulative engine counters (EngineStats) are turned into Prometheus counters by adding the
+delta since the previous snapshot, so a scrape never has to touch the engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from sparsex.engine.llm_engine import EngineStats
+    from sparsex.outputs import RequestOutput
+
+_PREFIX = "sparsex:"
+# Buckets (seconds) sized for CPU serving of small models up to GPU serving of larger ones.
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+_SELECTION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+# EngineStats fields that are cumulative token/event counts -> the counter that mirrors each.
+_COUNTER_FIELDS = {
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served by the prefix cache."),
+    "segment_cache_queries": ("segment_cache_queries", "Tokens of reusable segments looked up in the segment cache."),
+    "segment_cache_hits": ("segment_cache_hits", "Tokens served by the segment cache."),
+    "recomputed_tokens": ("sparse_kv_recomputed_tokens", "Reused tokens recomputed in the sparse layers."),
+    "num_preemptions": ("num_preemptions", "Requests preempted (KV pool exhausted), recomputed later."),
+}
+
+
+@dataclass
+class _Track:
+    """Per-request state needed for latency histograms."""
+    arrival: float
+    last_time: float
+    num_tokens: int = 0          # of the first choice: the clock for TTFT / inter-token latency
+    total_tokens: int = 0        # of all choices
+    num_prompt_tokens: int = 0
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        r, lbl = self.registry, ["model_name"]
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(_PREFIX + name, doc, lbl, registry=r, buckets=buckets)
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first generated token.", _TTFT_BUCKETS).labels(model_name)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive generated tokens.", _ITL_BUCKETS).labels(model_name)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish (or abort).", _E2E_BUCKETS).labels(model_name)
+        self.selection = hist("sparse_q_selection_seconds",
+                              "Time a step spent selecting tokens to recompute (segment reuse).",
+                              _SELECTION_BUCKETS).labels(model_name)
+        self.running = Gauge(_PREFIX + "num_requests_running", "Requests in the running batch.", lbl, registry=r).labels(model_name)
+        self.waiting = Gauge(_PREFIX + "num_requests_waiting", "Requests waiting to be scheduled.", lbl, registry=r).labels(model_name)
+        self.kv_usage = Gauge(_PREFIX + "kv_cache_usage_perc",
+                              "Fraction (0-1) of KV blocks held by requests or segment entries.", lbl, registry=r).labels(model_name)
+        self._counters = {field: Counter(_PREFIX + name, doc, lbl, registry=r).labels(model_name)
+                          for field, (name, doc) in _COUNTER_FIELDS.items()}
+        self.success = Counter(_PREFIX + "request_success", "Finished requests by finish reason.",
+                               lbl + ["finished_reason"], registry=r)
+        self.rejected = Counter(_PREFIX + "request_rejected", "Requests refused before queuing, by reason.",
+                                lbl + ["reason"], registry=r)
+        self.prompt_tokens = Counter(_PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", lbl, registry=r).labels(model_name)
+        self.generation_tokens = Counter(_PREFIX + "generation_tokens", "Generated tokens.", lbl, registry=r).labels(model_name)
+        self._last: dict[str, float] = {}
+        self._tracks: dict[str, _Track] = {}
+
+    # ---- engine-loop hooks ----------------------------------------------------------------------
+    def on_added(self, request_id: str, arrival: float, num_prompt_tokens: int) -> None:
+        self._tracks[request_id] = _Track(arrival, arrival, num_prompt_tokens=num_prompt_tokens)
+
+    def on_output(self, out: RequestOutput, now: float) -> None:
+        t = self._tracks.get(out.request_id)
+        if t is None:
+            return
+        n = len(out.outputs[0].token_ids) if out.outputs else 0
+        t.total_tokens = sum(len(c.token_ids) for c in out.outputs)
+        if n > t.num_tokens:
+            if t.num_tokens == 0:
+                self.ttft.observe(now - t.arrival)
+            else:
+                gap = (now - t.last_time) / (n - t.num_tokens)
+                for _ in range(n - t.num_tokens):
+                    self.itl.observe(gap)
+            t.last_time = now
+            t.num_tokens = n
+        if out.finished:
+            reason = (out.outputs[0].finish_reason if out.outputs else None) or "abort"
+            self._finish(out.request_id, now, reason)
+
+    def on_aborted(self, request_id: str, now: float) -> None:
+        t = self._tracks.get(request_id)
+        if t is not None:
+            self._finish(request_id, now, "abort")
+
+    def on_rejected(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
+
+    def _finish(self, request_id: str, now: float, reason: str) -> None:
+        t = self._tracks.pop(request_id)
+        self.e2e.observe(now - t.arrival)
+        self.success.labels(self.model_name, reason).inc()
+        self.prompt_tokens.inc(t.num_prompt_tokens)
+        self.generation_tokens.inc(t.total_tokens)
+
+    def on_stats(self, stats: EngineStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        for field, counter in self._counters.items():
+            self._add_delta(field, getattr(stats, field), counter.inc)
+        self._add_delta("selection_seconds", stats.selection_seconds, self.selection.observe)
+
+    def _add_delta(self, key: str, value: float, sink) -> None:
+        delta = value - self._last.get(key, 0)
+        self._last[key] = value
+        if delta > 0:           # counters only go up (an engine counter reset just re-bases)
+            sink(delta)
+
+    # ---- exposition -------------------------------------------------------------------------
+    content_type = CONTENT_TYPE_LATEST
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

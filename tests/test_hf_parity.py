@@ -1,0 +1,123 @@
+"""The model path must match Hugging Face transformers: greedy tokens identical, logprobs within 1e-3."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from sparsex import LLM, SamplingParams
+
+MAX_NEW = 32
+
+
+def _prompts(tokenizer, wiki_texts) -> list[list[int]]:
+    chat = lambda text: tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    raw = [
+        "The capital of France is",
+        "def fibonacci(n):\n    ",
+        wiki_texts[0][:400] + "\n\nIn summary,",
+        " ".join(wiki_texts[1:4]) + "\n\nThe three topics above are",
+        " ".join(wiki_texts[4:14]) + "\n\nQuestion: which of these is oldest? Answer:",   # ~1.5k tokens
+    ]
+    chats = [
+        "What is the tallest mountain on Earth?",
+        "Summarise this:\n" + wiki_texts[14],
+        "Give three facts from these passages:\n" + "\n\n".join(wiki_texts[15:22]),
+    ]
+    ids = [tokenizer.encode(p) for p in raw] + [chat(c) for c in chats]
+    ids = [list(x["input_ids"]) if isinstance(x, dict) or hasattr(x, "keys") else list(x) for x in ids]
+    return ids
+
+
+@torch.no_grad()
+def _hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    inp = torch.tensor([ids])
+    out = model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=n, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    gen = out[0, len(ids):].tolist()
+    logits = model(out).logits[0, len(ids) - 1:-1].float()          # [n, vocab]: position t predicts gen[t]
+    lps = torch.log_softmax(logits, -1).gather(1, torch.tensor(gen)[:, None])[:, 0]
+    return gen, lps.tolist()
+
+
+def test_llama_greedy_tokens_and_logprobs_match_transformers(llm_prefix, hf_model, wiki_texts):
+    tok = llm_prefix.get_tokenizer()
+    prompts = _prompts(tok, wiki_texts)
+    lengths = sorted(len(p) for p in prompts)
+    assert len(prompts) >= 8 and lengths[-1] >= 1200, lengths
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
+    outs = llm_prefix.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        ref_ids, ref_lps = _hf_greedy(hf_model, p, MAX_NEW)
+        got = o.outputs[0]
+        assert got.token_ids == ref_ids, f"prompt of {len(p)} tokens diverges"
+        ours = [lp[t] for lp, t in zip(got.logprobs, got.token_ids)]
+        assert max(abs(a - b) for a, b in zip(ours, ref_lps)) < 1e-3
+    llm_prefix.llm_engine.check_integrity()
+
+
+def test_prompt_logprobs_match_transformers(llm_none, hf_model, wiki_texts):
+    ids = llm_none.get_tokenizer().encode(wiki_texts[2][:600])
+    out = llm_none.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3),
+                            use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)   # [T, vocab]
+    assert out.prompt_logprobs[0] is None
+    for pos in range(1, len(ids)):
+        d = out.prompt_logprobs[pos]
+        assert abs(d[ids[pos]] - ref[pos - 1, ids[pos]].item()) < 1e-3
+        top = torch.topk(ref[pos - 1], 3).indices.tolist()
+        assert set(top) <= set(d)
+
+
+# ---- Qwen2 architecture: q/k/v biases, untied head -------------------------------------------
+
+def _tiny_qwen2_dir(tmp_path, tokenizer) -> str:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      rope_theta=1e6, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                      eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)       # larger than init so attention is far from uniform
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_qwen2_architecture_matches_transformers(tmp_path, smollm2):
+    from transformers import AutoModelForCausalLM
+    qdir = _tiny_qwen2_dir(tmp_path, smollm2.tokenizer)
+    with open(os.path.join(qdir, "config.json")) as f:
+        assert json.load(f)["model_type"] == "qwen2"
+    ref = AutoModelForCausalLM.from_pretrained(qdir, dtype=torch.float32, attn_implementation="eager").eval()
+    assert ref.model.layers[0].self_attn.q_proj.bias is not None
+    llm = LLM(model=qdir, cache="prefix", dtype="float32")
+    prompts = [smollm2.tokenizer.encode(t) for t in ("Hello world, this is a test of", "1 2 3 4 5 6 7 8 9 10 " * 20)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        ref_ids, ref_lps = _hf_greedy(ref, p, 16)
+        assert o.outputs[0].token_ids == ref_ids
+        ours = [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+        assert max(abs(a - b) for a, b in zip(ours, ref_lps)) < 1e-3
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from sparsex.layers.rotary_embedding import rope_inv_freq
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    cfg = LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_theta=500000.0,
+                      rope_scaling=dict(scaling), max_position_embeddings=131072)
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    ours = rope_inv_freq(128, 500000.0, scaling)
+    torch.testing.assert_close(ours, ref.float(), rtol=1e-6, atol=0)
+    assert not torch.allclose(ours, rope_inv_freq(128, 500000.0, None))   # scaling changed something
