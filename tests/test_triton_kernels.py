@@ -138,7 +138,8 @@ def test_extend_after_prefix_hit(device, heads, dtype):
 @pytest.mark.parametrize("heads", GQA)
 def test_sparse_rows(device, heads, head_dim, dtype):
     gen = torch.Generator().manual_seed(heads[0] * 1000 + head_dim)
-    seqs = [(n, sparse_rows(n, frac, tail, gen)) for n, frac, tail in ((700, 0.15, 16), (257, 0.3, 1), (1500, 0.05, 64))]
+    shapes = ((700, 0.15, 16), (257, 0.3, 1), (1500, 0.05, 64))          # (prompt length, fraction, tail rows)
+    seqs = [(n, sparse_rows(n, frac, tail, gen)) for n, frac, tail in shapes]
     check_attention(seqs, heads, head_dim, dtype, device, contiguous=False)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import logging
 import queue
 import threading
@@ -27,13 +28,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
 
 from sparsex.entrypoints.chat_utils import TokenizedPrompt
+from sparsex.metrics import ServerMetrics
 from sparsex.outputs import RequestOutput
 from sparsex.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from sparsex.config import EngineConfig
     from sparsex.engine.llm_engine import LLMEngine
-    from sparsex.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -152,10 +153,13 @@ class AsyncLLM:
             raise ValueError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
         self._engine = engine
         self.max_queued_requests = max_queued_requests
-        self.metrics = metrics
+        self.metrics = metrics if metrics is not None else ServerMetrics(engine.model_name)
         # immutable engine facts, safe to read from any thread
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
+        # a private tokenizer for the caller side (token strings of logprobs); the engine's own is
+        # used by the engine thread only
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
         # guards "is the loop still taking commands?" against the loop's final drain
@@ -215,6 +219,10 @@ class AsyncLLM:
         except (EngineDeadError, EngineClosedError):
             pass                        # nothing runs any more: nothing to abort
 
+    async def tokenize(self, prompt: PromptSource) -> TokenizedPrompt:
+        """Build a prompt (as add_request would) without queuing it."""
+        return await self.call(lambda _: self._build_prompt(prompt))
+
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread, between steps (introspection, tokenization)."""
         return await asyncio.wrap_future(self._call(fn))
@@ -269,8 +277,7 @@ class AsyncLLM:
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
                     self._deliver(outputs, time.time())
-                if self.metrics is not None:
-                    self.metrics.on_stats(engine.stats())
+                self.metrics.on_stats(engine.stats())
         except BaseException as e:          # noqa: BLE001 - anything here kills serving: report it
             logger.exception("engine loop died")
             self._die(e)
@@ -313,8 +320,7 @@ class AsyncLLM:
             if self.max_queued_requests is not None:
                 waiting = engine.stats().num_waiting
                 if waiting + cmd.params.n > self.max_queued_requests:
-                    if self.metrics is not None:
-                        self.metrics.on_rejected("queue_full")
+                    self.metrics.on_rejected("queue_full")
                     raise QueueFullError(f"{waiting} requests are waiting (limit {self.max_queued_requests})")
             prompt = self._build_prompt(cmd.prompt)
             engine.add_request(cmd.request_id, prompt, cmd.params, arrival_time=cmd.arrival_time, reuse=cmd.reuse)
@@ -323,8 +329,7 @@ class AsyncLLM:
             return
         cmd.stream.prompt = prompt
         self._streams[cmd.request_id] = (cmd.stream, cmd.loop)
-        if self.metrics is not None:
-            self.metrics.on_added(cmd.request_id, cmd.arrival_time, len(prompt.token_ids))
+        self.metrics.on_added(cmd.request_id, cmd.arrival_time, len(prompt.token_ids))
         _post(cmd.loop, _settle, cmd.accepted, prompt, None)
 
     def _build_prompt(self, source: PromptSource) -> TokenizedPrompt:
@@ -343,8 +348,7 @@ class AsyncLLM:
         self._engine.abort_request(request_id)
         entry = self._streams.pop(request_id, None)
         if entry is not None:
-            if self.metrics is not None:
-                self.metrics.on_aborted(request_id, time.time())
+            self.metrics.on_aborted(request_id, time.time())
             stream, loop = entry
             _post(loop, stream._push, RequestAbortedError(f"request {request_id} was aborted"))
 
@@ -354,8 +358,7 @@ class AsyncLLM:
 
     def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:
-            if self.metrics is not None:
-                self.metrics.on_output(out, now)
+            self.metrics.on_output(out, now)
             entry = self._streams.get(out.request_id)
             if entry is None:
                 continue

@@ -1,0 +1,92 @@
+"""Block pool, block hashing and prefix-cache lookups, without a model."""
+from __future__ import annotations
+
+import pytest
+
+from sparsex.cache import block_hash as bh
+from sparsex.cache.block_pool import BlockPool
+from sparsex.cache.kv_cache_manager import KVCacheManager
+from sparsex.engine.request import Request
+from sparsex.sampling_params import SamplingParams
+
+
+def _req(rid: str, tokens: list[int], salt: str | None = None) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=4), 0.0, cache_salt=salt)
+
+
+def test_allocation_free_and_integrity():
+    pool = BlockPool(8, enable_caching=True)
+    a = pool.get_new_blocks(3)
+    assert pool.usage().num_in_use == 3 and pool.num_free_blocks == 5
+    pool.check_integrity({b.block_id: 1 for b in a})
+    with pytest.raises(ValueError, match="cannot allocate 6"):
+        pool.get_new_blocks(6)
+    pool.free_blocks(a)
+    pool.check_integrity({})
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free_blocks(a[:1])
+
+
+def test_integrity_detects_refcount_mismatch():
+    pool = BlockPool(4, enable_caching=True)
+    a = pool.get_new_blocks(2)
+    with pytest.raises(RuntimeError, match="holders"):
+        pool.check_integrity({a[0].block_id: 1})          # a[1] is held by nobody we know of
+
+
+def test_prefix_hit_needs_same_tokens_salt_and_parent():
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    toks = list(range(100, 113))                          # 3 full blocks + 1 token
+    r1 = _req("a", toks)
+    assert kv.allocate_slots(r1, len(toks))
+    r1.num_computed_tokens = len(toks)
+    kv.cache_blocks(r1, len(toks))
+    first_three = [b.block_id for b in r1.blocks[:3]]
+    kv.free(r1)
+    kv.pool.check_integrity({})
+
+    hits, n = kv.get_computed_blocks(_req("b", toks))
+    assert n == 12 and [b.block_id for b in hits] == first_three
+    assert kv.get_computed_blocks(_req("c", toks, salt="tenant-2"))[1] == 0          # salt isolates
+    assert kv.get_computed_blocks(_req("d", [7] + toks[1:]))[1] == 0                 # first block differs
+    assert kv.get_computed_blocks(_req("e", toks[:8] + [0] * 5))[1] == 8             # 2 blocks shared
+    # a whole-prompt hit still leaves one token to compute
+    assert kv.get_computed_blocks(_req("f", toks[:12]))[1] == 8
+
+
+def test_forced_hash_collision_never_reuses(monkeypatch):
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    def colliding(parent, token_ids, extra_keys=()):
+        return bh.BlockHash(b"\x01" * 16, token_ids, extra_keys)   # every block hashes alike
+
+    monkeypatch.setattr(bh, "hash_block_tokens", colliding)
+    r1 = _req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert kv.allocate_slots(r1, 9)
+    r1.num_computed_tokens = 9
+    kv.cache_blocks(r1, 9)
+    kv.free(r1)
+    assert kv.get_computed_blocks(_req("b", [9, 9, 9, 9, 5, 6, 7, 8, 1]))[1] == 0
+    assert kv.get_computed_blocks(_req("c", [1, 2, 3, 4, 5, 6, 7, 8, 1]))[1] == 4   # verified tokens + parent
+
+
+def test_eviction_is_lru_and_only_of_unreferenced_blocks():
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    a, b = _req("a", [1, 2, 3]), _req("b", [4, 5, 6])
+    for r in (a, b):
+        assert kv.allocate_slots(r, 3)
+        r.num_computed_tokens = 3
+        kv.cache_blocks(r, 3)
+    kv.free(a)                                            # a's blocks: cached, evictable
+    assert kv.get_computed_blocks(_req("a2", [1, 2, 3]))[1] == 2
+    c = _req("c", [9, 9, 9])
+    assert kv.allocate_slots(c, 3)                        # needs 2 blocks: evicts a's
+    assert kv.get_computed_blocks(_req("a3", [1, 2, 3]))[1] == 0
+    assert kv.get_computed_blocks(_req("b2", [4, 5, 6]))[1] == 2    # b still running: never evicted
+    assert not kv.allocate_slots(_req("d", [0] * 5), 5)   # pool exhausted: refuses, changes nothing
+    kv.pool.check_integrity({blk.block_id: 1 for r in (b, c) for blk in r.blocks})
+
+
+def test_block_hashes_are_domain_separated_from_segments():
+    h = bh.compute_block_hashes(list(range(16)), 16, None)[0]
+    assert h.value != bh.hash_segment(list(range(16)), None)
+    assert bh.hash_segment([1, 2], "x") != bh.hash_segment([1, 2], None)
