@@ -152,7 +152,8 @@ def prefill_cases(sweep: bool) -> None:
     if sweep:
         configs += [dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
                     dict(block_m=128, block_n=32, num_warps=4, num_stages=4),
-                    dict(block_m=64, block_n=64, num_warps=4, num_stages=3)]
+                    dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
+                    dict(block_m=256, block_n=64, num_warps=8, num_stages=2)]
     for n in (2048, 8192, 32768):
         case = f"prefill {n // 1024}k (1 seq, causal)"
         q, kc, vc, md, dk, dv = paged_batch([n], [torch.arange(n)], contiguous=True)
@@ -238,9 +239,10 @@ def decode_cases(sweep: bool) -> None:
                nbytes=per_call, note=f"{len(sets)} input sets")
         variants = [dict()]
         if sweep:
-            variants += {1: [dict(num_splits=4), dict(num_splits=8), dict(num_splits=32)],
+            variants += {1: [dict(num_splits=8), dict(num_splits=32)],
                          16: [dict(num_splits=1), dict(num_splits=4)],
                          64: [dict(num_splits=2)]}[b]
+            variants += [dict(block_n=128, num_stages=2), dict(num_stages=4), dict(num_warps=2)]
         for v in variants:
             out = decode_attention(q, kc, vc, md, SCALE, **v)
             err = rel_err(out, ref)

@@ -128,6 +128,7 @@ class LLMEngine:
                           prompt=tp.text, cache_salt=tp.cache_salt, segments=list(tp.segments), reuse=reuse_cfg,
                           eos_token_ids=self.eos_token_ids, max_tokens=max_tokens)
             req.generator = gen
+            req.query_horizon = tp.query_horizon
             self.requests[rid] = req
             self.scheduler.add(req)
         if params.n > 1:

@@ -79,6 +79,10 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(cfg.num_hidden_layers)]
         self.blender = None          # sparsex.segment.blender.Blender, set by the engine when reuse is on
+        # evaluation hook (fidelity benchmarks/tests): request_id -> positions whose full next-token
+        # log-distribution is kept in `captured_logprobs[request_id][position]` ([vocab] float32, CPU)
+        self.capture_positions: dict[str, set[int]] = {}
+        self.captured_logprobs: dict[str, dict[int, torch.Tensor]] = {}
         self.timings = StepTimings()
 
     def bytes_per_block(self) -> int:
@@ -94,6 +98,17 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory={self.config.kv_cache_memory} bytes holds no block "
                              f"({self.bytes_per_block()} bytes each)")
         return int(n)
+
+    def _capture(self, sched, cu, positions, hidden, row_of) -> None:
+        for si, s in enumerate(sched.scheduled):
+            want = self.capture_positions.get(s.request.request_id)
+            if not want:
+                continue
+            got = self.captured_logprobs.setdefault(s.request.request_id, {})
+            for r in range(cu[si], cu[si + 1]):
+                h = r if row_of is None else row_of.get(r)
+                if positions[r] in want and h is not None:
+                    got[positions[r]] = torch.log_softmax(self.model.compute_logits(hidden[h:h + 1]).float(), -1)[0].cpu()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> dict[str, RequestStepResult]:
@@ -147,6 +162,8 @@ class ModelRunner:
             row_of = {int(r): i for i, r in enumerate(ctx.kept_rows.tolist())}
 
         results: dict[str, RequestStepResult] = {s.request.request_id: RequestStepResult() for s in sched.scheduled}
+        if self.capture_positions:
+            self._capture(sched, cu, positions, hidden, row_of)
         # prompt logprobs: every computed row that predicts a prompt token
         for si, s in enumerate(sched.scheduled):
             req = s.request

@@ -60,6 +60,8 @@ class Request:
     reuse_plan: object | None = None          # segment.blender.ReusePlan, locked until its forward ran
     exact_prefix_len: int | None = None       # KV at positions >= this is approximate (blended)
     segments_registered: bool = False
+    query_horizon: int | None = None          # evaluation only: new rows at/after it are teacher-forced
+                                              # continuation, hidden from query-side selection signals
     # cache statistics of the (last) prefill
     num_cached_tokens: int = 0
     num_reused_tokens: int = 0

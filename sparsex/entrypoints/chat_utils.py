@@ -19,6 +19,7 @@ class TokenizedPrompt:
     text: str | None = None
     segments: list[SegmentSpan] = field(default_factory=list)
     cache_salt: str | None = None
+    query_horizon: int | None = None      # see Request.query_horizon
 
 
 def _check_token_ids(ids: Any, vocab_size: int, what: str) -> list[int]:

@@ -50,16 +50,27 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
     return ErrorResponse(error=info).model_dump()
 
 
+# pydantic names the branch of a union in `loc` ("str", "list[TextPart]"): not part of a field path
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _field_path(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    parts = [p for p in parts if p.lower() not in _TYPE_TAGS and "[" not in p]
+    return ".".join(parts) or None
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
+    errors = list(exc.errors())
     if not errors:
         return "invalid request", None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return "the request body is not valid JSON", None
+    # the deepest location is the most specific complaint (a union reports one error per branch)
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
+    param = _field_path(tuple(first.get("loc", ())))
     msg = first.get("msg", "invalid value")
-    more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
-    return (f"{param}: {msg}{more}" if param else f"{msg}{more}"), param
+    return (f"{param}: {msg}" if param else msg), param
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sparsex.sampling_params import MAX_LOGPROBS
 
@@ -82,6 +82,13 @@ class TextPart(_Request):
     type: Literal["text"] = "text"
     text: str
     cache_segment: CacheSegment | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type", "text") != "text":
+            raise ValueError(f"only text content parts are supported, got type {data.get('type')!r}")
+        return data
 
 
 class ChatMessage(_Request):

@@ -1,6 +1,9 @@
 """From an HTTP request body to the engine's SamplingParams, refusing what the engine cannot do."""
 from __future__ import annotations
 
+import dataclasses
+
+from sparsex.config import ReuseConfig
 from sparsex.entrypoints.errors import bad_request
 from sparsex.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from sparsex.sampling_params import SamplingParams
@@ -26,6 +29,11 @@ def check_supported(req: _SamplingFields) -> None:
             _unsupported("response_format", "other than {'type': 'text'} is not supported")
         if req.tool_choice not in (None, "none", "auto"):
             _unsupported("tool_choice", "other than 'none' or 'auto' is not supported")
+    if req.reuse is not None:
+        try:    # the engine checks again (against the model's layer count) when it queues the request
+            dataclasses.replace(ReuseConfig(), **req.reuse.overrides()).verify()
+        except ValueError as e:
+            raise bad_request(str(e), param="reuse") from e
     if isinstance(req, CompletionRequest):
         if req.echo:
             _unsupported("echo")

@@ -69,6 +69,8 @@ def _prompts(body: CompletionRequest, salt: str | None) -> list[dict[str, Any]]:
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServingContext) -> Response:
     ctx.check_model(body.model)
     check_supported(body)
+    if body.segments is not None and body.prompt in ("", []):
+        body.prompt = None      # clients whose `prompt` is mandatory (the openai SDK) send "" with segments
     if (body.prompt is None) == (body.segments is None):
         raise bad_request("give exactly one of 'prompt' and 'segments'", param="prompt")
     params = completion_sampling_params(body)

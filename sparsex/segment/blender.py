@@ -74,6 +74,7 @@ class Blender:
         self.block_size = config.block_size
         self._gen = torch.Generator().manual_seed(config.seed)
         self._seqs: list[_SeqBlend] = []
+        self.sparse_q_variant = "dev_qrel"     # measurement knob (benchmarks); see docs/benchmarks.md
         # counters
         self.recomputed_tokens = 0
         self.reused_tokens = 0
@@ -159,27 +160,50 @@ class Blender:
             if b.reuse.full_layers - 1 != layer_idx or b.reuse.selector not in selectors.PROBE_SELECTORS:
                 continue
             cur = self._current_rows(ctx, b.reused_rows)
+            slots = md.slot_mapping[cur]
+            k_old = k_cache.view(-1, *k_cache.shape[2:])[slots]              # [R, KVH, D] re-rotated copies
+            v_old = v_cache.view(-1, *v_cache.shape[2:])[slots]
+            dev = selectors.kv_deviation_scores(k[cur], v[cur], k_old, v_old)   # [R]
             if b.reuse.selector == "kv_deviation":
-                slots = md.slot_mapping[cur]
-                k_old = k_cache.view(-1, *k_cache.shape[2:])[slots]          # [R, KVH, D] re-rotated copies
-                v_old = v_cache.view(-1, *v_cache.shape[2:])[slots]
-                b.scores = selectors.kv_deviation_scores(k[cur], v[cur], k_old, v_old)
-            else:  # sparse_q
-                b.scores = self._sparse_q_scores(b, cur, q, k, k_cache, ctx)
+                b.scores = dev
+            else:
+                b.scores = self._sparse_q_scores(b, cur, dev, q, k, k_cache, ctx)
         self.selection_seconds += time.perf_counter() - t0
 
-    def _sparse_q_scores(self, b: _SeqBlend, cur, q, k, k_cache, ctx) -> torch.Tensor:
+    def _sequence_keys(self, si: int, k, k_cache, ctx) -> torch.Tensor:
+        """The sequence's keys at the probe layer: cached ones from the pool, this step's rows fresh."""
         md = ctx.attn_metadata
-        # the sequence's keys at this layer: cached prefix from the pool, the step's rows fresh
-        si = _seq_index(md, cur[0].item())
         n = md.seq_lens_cpu[si]
         bs = k_cache.shape[1]
         blocks = md.block_tables[si, : (n + bs - 1) // bs]
-        keys = k_cache[blocks].flatten(0, 1)[:n].clone()                   # [n, KVH, D]
+        keys = k_cache[blocks].flatten(0, 1)[:n].clone()                      # [n, KVH, D]
         r0, r1 = md.cu_seqlens_q_cpu[si], md.cu_seqlens_q_cpu[si + 1]
         keys[md.positions[r0:r1]] = k[r0:r1].to(keys.dtype)
-        scale = q.shape[-1] ** -0.5
-        return selectors.outside_segment_mass(q[cur], keys, b.reused_pos, b.seg_lo, scale)
+        return keys
+
+    def _sparse_q_scores(self, b: _SeqBlend, cur, dev, q, k, k_cache, ctx) -> torch.Tensor:
+        """Deviation weighted by query-side importance: how much the new tokens' queries (the
+        user's question, the template glue) attend to each reused token at the probe layer."""
+        md = ctx.attn_metadata
+        si = _seq_index(md, int(cur[0]))
+        r0, r1 = md.cu_seqlens_q_cpu[si], md.cu_seqlens_q_cpu[si + 1]
+        is_new = torch.ones(r1 - r0, dtype=torch.bool, device=cur.device)
+        is_new[cur - r0] = False
+        pos = md.positions[r0:r1]
+        if b.request.query_horizon is not None:
+            is_new &= pos < b.request.query_horizon
+        new_rows = torch.nonzero(is_new).flatten() + r0
+        if new_rows.numel() == 0:
+            return dev
+        keys = self._sequence_keys(si, k, k_cache, ctx)                       # [n, KVH, D]
+        imp = selectors.query_attention_mass(q[new_rows], keys, md.positions[new_rows], q.shape[-1] ** -0.5)  # [n]
+        imp = imp[b.reused_pos]
+        variant = self.sparse_q_variant
+        if variant == "xseg":
+            return selectors.outside_segment_mass(q[cur], keys, b.reused_pos, b.seg_lo, q.shape[-1] ** -0.5)
+        if variant == "qrel":
+            return imp
+        return dev * (1.0 + imp / imp.mean().clamp_min(1e-12))
 
     def select(self, layer_idx: int, ctx: ForwardContext) -> torch.Tensor | None:
         t0 = time.perf_counter()

@@ -55,3 +55,15 @@ def outside_segment_mass(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tenso
         lse_own = torch.logsumexp(s.masked_fill(~own, float("-inf")), dim=-1)
         out[c:c + chunk] = (1 - torch.exp(lse_own - lse_all)).mean(dim=0)
     return out
+
+
+def query_attention_mass(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """Mean attention probability that the rows `q` ([m, H, D] at positions q_pos) put on each key
+    ([S, KVH, D]), averaged over rows and heads -> [S]. m is small (the new tokens)."""
+    num_heads = q.shape[1]
+    group = num_heads // keys.shape[1]
+    kf = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)     # [H, S, D]
+    s = torch.matmul(q.float().transpose(0, 1), kf.transpose(1, 2)) * scale  # [H, m, S]
+    visible = torch.arange(keys.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+    return p.mean(dim=(0, 1))

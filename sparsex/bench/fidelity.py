@@ -1,0 +1,87 @@
+"""Fidelity of a cache policy against full prefill, by teacher forcing.
+
+For a prompt: greedy-decode `num_tokens` under full prefill (cache="none") -> continuation C and the
+reference next-token distributions. Then run prompt + C under the policy as a prompt (C is new
+content, never reused) and compare, at every position of C, the policy's full next-token
+distribution with the reference one:
+  top1         argmax(policy) == C[t] (the reference's greedy token)
+  kl           KL(reference || policy), nats
+  match_len    tokens before the first top-1 disagreement: exactly the length of the identical prefix
+               that free-running greedy decoding under the policy would produce.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from sparsex.engine.llm_engine import LLMEngine
+from sparsex.entrypoints.chat_utils import TokenizedPrompt, tokenize_pieces
+from sparsex.outputs import RequestOutput
+from sparsex.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+@dataclass
+class FidelityResult:
+    top1: float
+    kl: float
+    match_len: int
+    ttft: float
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_reused_tokens: int
+    num_recomputed_tokens: int
+
+
+def pieces_prompt(engine: LLMEngine, pieces: list[str | list[int]], reusable: list[bool]) -> TokenizedPrompt:
+    return tokenize_pieces(engine.tokenizer, pieces, engine.model_config.vocab_size, reusable)
+
+
+def run_to_completion(engine: LLMEngine, prompt, params: SamplingParams, reuse: dict | None = None,
+                      capture: set[int] | None = None) -> tuple[RequestOutput, dict[int, torch.Tensor]]:
+    rid = f"fid-{next(_ids)}"
+    if capture:
+        engine.runner.capture_positions[rid] = capture
+    engine.add_request(rid, prompt, params, reuse=reuse)
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id == rid and o.finished:
+                out = o
+    captured = engine.runner.captured_logprobs.pop(rid, {})
+    engine.runner.capture_positions.pop(rid, None)
+    return out, captured
+
+
+def reference(ref_engine: LLMEngine, prompt: TokenizedPrompt, num_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Full-prefill greedy continuation and its next-token log-distributions."""
+    out, _ = run_to_completion(ref_engine, prompt, SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True))
+    cont = out.outputs[0].token_ids
+    full = TokenizedPrompt(prompt.token_ids + cont, None, [])
+    n = len(prompt.token_ids)
+    _, cap = run_to_completion(ref_engine, full, SamplingParams(temperature=0, max_tokens=1),
+                               capture=set(range(n - 1, n + len(cont) - 1)))
+    return cont, [cap[p] for p in range(n - 1, n + len(cont) - 1)]
+
+
+def teacher_forced(engine: LLMEngine, prompt: TokenizedPrompt, cont: list[int], ref_lps: list[torch.Tensor],
+                   reuse: dict | None = None) -> FidelityResult:
+    n = len(prompt.token_ids)
+    full = TokenizedPrompt(prompt.token_ids + cont, None, list(prompt.segments), prompt.cache_salt, query_horizon=n)
+    out, cap = run_to_completion(engine, full, SamplingParams(temperature=0, max_tokens=1), reuse=reuse,
+                                 capture=set(range(n - 1, n + len(cont) - 1)))
+    top1, kls, match, diverged = [], [], 0, False
+    for t, ref in enumerate(ref_lps):
+        pol = cap[n - 1 + t]
+        ok = int(pol.argmax()) == cont[t]
+        top1.append(ok)
+        kls.append(float((ref.exp() * (ref - pol)).sum()))
+        if not ok:
+            diverged = True
+        if not diverged:
+            match += 1
+    return FidelityResult(sum(top1) / len(top1), sum(kls) / len(kls), match, out.metrics.ttft or 0.0,
+                          len(full.token_ids), out.num_cached_tokens, out.num_reused_tokens, out.num_recomputed_tokens)

@@ -1,0 +1,196 @@
+"""Segment-level KV reuse: exactness oracles, re-rotation, per-row causal masks, counters, isolation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsex import LLM, SamplingParams
+from sparsex.bench.fidelity import pieces_prompt, reference, run_to_completion, teacher_forced
+from sparsex.cache import block_hash
+from sparsex.layers.attention_backend import TorchAttentionBackend
+from sparsex.layers.attention_metadata import AttentionMetadata
+from sparsex.layers.rotary_embedding import RotaryEmbedding, rotate
+from sparsex.layers.triton_rerotate import copy_and_rerotate_torch
+from sparsex.segment import blender as blender_mod
+
+ONE = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+@pytest.fixture(scope="module")
+def llm_sx(smollm2):
+    return LLM(cache="sparsex", dtype="float32", seed=0)
+
+
+@pytest.fixture(autouse=True)
+def _integrity(request):
+    yield
+    if "llm_sx" in request.fixturenames:
+        request.getfixturevalue("llm_sx").llm_engine.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def passages(wiki_texts):
+    return [t[:700] for t in wiki_texts[20:26]]          # ~150 tokens each
+
+
+def _prompt(engine, head, passages, question):
+    return pieces_prompt(engine, [head, *passages, question], [True] * (len(passages) + 1) + [False])
+
+
+def _logits_at_end(engine, prompt, reuse=None, k=24):
+    """Log-distributions at the last k prompt positions (all rows recomputed there: new tokens)."""
+    n = len(prompt.token_ids)
+    _, cap = run_to_completion(engine, prompt, ONE, reuse=reuse, capture=set(range(n - k, n)))
+    return torch.stack([cap[p] for p in range(n - k, n)])
+
+
+HEAD = "System: answer from the passages.\n\n"
+QUESTION = "\nQuestion: which of the passages above mentions the earliest date, and what happened then? Answer:"
+
+
+def test_selector_all_equals_plain_prefill(llm_sx, llm_none, passages):
+    eng, ref = llm_sx.llm_engine, llm_none.llm_engine
+    eng.reset_cache()
+    run_to_completion(eng, _prompt(eng, HEAD, passages[:4], QUESTION), ONE)                  # register
+    p = _prompt(eng, "Another system prompt, so no prefix hit.\n", passages[:4][::-1], QUESTION)
+    got = _logits_at_end(eng, p, reuse={"selector": "all"})
+    out, _ = run_to_completion(eng, p, ONE, reuse={"selector": "all"})
+    assert out.num_reused_tokens > 400 and out.num_recomputed_tokens == out.num_reused_tokens
+    want = _logits_at_end(ref, p)
+    rel = (got - want).norm() / want.norm()
+    assert rel < 1e-4, rel
+    # and naive reuse really is different (the oracle is not vacuous)
+    naive = _logits_at_end(eng, p, reuse={"selector": "none"})
+    assert (naive - want).norm() / want.norm() > 1e-3
+
+
+def test_same_position_same_context_reuse_is_exact(llm_sx, llm_none, passages):
+    eng, ref = llm_sx.llm_engine, llm_none.llm_engine
+    eng.reset_cache()
+    p1 = _prompt(eng, HEAD, passages[:3], QUESTION)
+    run_to_completion(eng, p1, ONE)
+    eng.kv.pool.reset_prefix_cache()          # keep segment entries, drop exact-prefix blocks
+    p2 = _prompt(eng, HEAD, passages[:3], "\nQuestion: name one person mentioned above. Answer:")
+    out, _ = run_to_completion(eng, p2, ONE, reuse={"selector": "none"})
+    assert out.num_cached_tokens == 0 and out.num_reused_tokens > 300 and out.num_recomputed_tokens == 0
+    got = _logits_at_end(eng, p2, reuse={"selector": "none"}, k=8)
+    want = _logits_at_end(ref, p2, k=8)
+    assert (got - want).norm() / want.norm() < 1e-4
+
+
+def test_rerotated_key_equals_key_computed_at_new_position(smollm2):
+    cfg = smollm2.config
+    rot = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, 8192)
+    w_k = smollm2.weights["model.layers.0.self_attn.k_proj.weight"]
+    emb = smollm2.weights["model.embed_tokens.weight"][[1500, 42, 7777]]
+    k_raw = (emb @ w_k.T).view(3, cfg.num_key_value_heads, cfg.head_dim)         # layer-0 keys before RoPE
+    a, b = torch.tensor([5, 300, 1200]), torch.tensor([4000, 17, 1201])
+    k_a = rotate(k_raw, *rot.cos_sin(a))
+    k_b = rotate(k_raw, *rot.cos_sin(b))
+    k_cache = torch.randn(4, 16, cfg.num_key_value_heads, cfg.head_dim)
+    v_cache = torch.randn_like(k_cache)
+    k_cache.view(-1, *k_cache.shape[2:])[:3] = k_a
+    v_before = v_cache.view(-1, *v_cache.shape[2:])[:3].clone()
+    copy_and_rerotate_torch(k_cache, v_cache, torch.arange(3), torch.tensor([40, 41, 42]), b - a, rot.inv_freq)
+    moved = k_cache.view(-1, *k_cache.shape[2:])[40:43]
+    torch.testing.assert_close(moved, k_b, rtol=0, atol=2e-5)
+    torch.testing.assert_close(v_cache.view(-1, *v_cache.shape[2:])[40:43], v_before)
+    assert not torch.allclose(k_a, k_b, atol=1e-2)
+
+
+def test_sparse_rows_use_exact_per_row_causal_mask():
+    torch.manual_seed(0)
+    H, KVH, D, bs, n = 4, 2, 16, 4, 23
+    k_cache = torch.randn(8, bs, KVH, D)
+    v_cache = torch.randn(8, bs, KVH, D)
+    table = torch.tensor([[3, 0, 5, 1, 7, 2]], dtype=torch.int32)
+    rows = torch.tensor([2, 9, 10, 17, 22])                 # scattered positions of one sequence
+    q = torch.randn(len(rows), H, D)
+    md = AttentionMetadata(positions=rows, slot_mapping=torch.zeros(len(rows), dtype=torch.int64),
+                           cu_seqlens_q=torch.tensor([0, len(rows)], dtype=torch.int32),
+                           seq_lens=torch.tensor([n], dtype=torch.int32), block_tables=table,
+                           max_seqlen_q=len(rows), max_seq_len=n, cu_seqlens_q_cpu=[0, len(rows)],
+                           seq_lens_cpu=[n], contiguous=False)
+    out = TorchAttentionBackend.attention(q, k_cache, v_cache, md, D ** -0.5)
+    keys = k_cache[table[0]].flatten(0, 1)[:n]
+    vals = v_cache[table[0]].flatten(0, 1)[:n]
+    for i, p in enumerate(rows.tolist()):
+        for h in range(H):
+            s = (q[i, h] @ keys[: p + 1, h // 2].T) * D ** -0.5
+            ref = torch.softmax(s, -1) @ vals[: p + 1, h // 2]
+            torch.testing.assert_close(out[i, h], ref, rtol=1e-5, atol=1e-5)
+    # a bottom-right-aligned mask (row i sees keys <= n - len(rows) + i) would differ
+    br = [n - len(rows) + i for i in range(len(rows))]
+    assert br != rows.tolist()
+
+
+def test_counters_are_exact_and_prefix_plus_segments_work_together(llm_sx, passages):
+    eng = llm_sx.llm_engine
+    eng.reset_cache()
+    tok = eng.tokenizer
+    head = "You are a careful assistant. Read every passage before answering, please.\n\n"   # > 1 block
+    run_to_completion(eng, _prompt(eng, head, passages[:3], QUESTION), ONE)
+    p = _prompt(eng, head, [passages[2], passages[0], passages[1]], QUESTION)
+    out, _ = run_to_completion(eng, p, ONE, reuse={"selector": "kv_deviation", "recompute_ratio": 0.2})
+    n_head = len(tok.encode(head, add_special_tokens=False))
+    lens = [len(tok.encode(x, add_special_tokens=False)) for x in passages[:3]]
+    assert out.num_cached_tokens == (n_head // 16) * 16                    # exact prefix: the head's full blocks
+    assert out.num_reused_tokens == sum(lens)                              # every passage is a segment hit
+    assert out.num_recomputed_tokens == round(0.2 * sum(lens))
+    st = eng.stats()
+    assert st.segment_cache_hits >= sum(lens) and st.recomputed_tokens >= out.num_recomputed_tokens
+
+
+def test_cache_salt_isolates_segments(llm_sx, passages):
+    eng = llm_sx.llm_engine
+    eng.reset_cache()
+    base = _prompt(eng, HEAD, passages[:2], QUESTION)
+    base.cache_salt = "tenant-a"
+    run_to_completion(eng, base, ONE)
+    again = _prompt(eng, "Different head.\n", passages[:2][::-1], QUESTION)
+    again.cache_salt = "tenant-a"
+    assert run_to_completion(eng, again, ONE)[0].num_reused_tokens > 0        # positive control
+    other = _prompt(eng, "Different head.\n", passages[:2][::-1], QUESTION)
+    other.cache_salt = "tenant-b"
+    assert run_to_completion(eng, other, ONE)[0].num_reused_tokens == 0
+
+
+def test_forced_segment_hash_collision_never_reuses(llm_sx, passages, monkeypatch):
+    eng = llm_sx.llm_engine
+    eng.reset_cache()
+    monkeypatch.setattr(eng.segment_index, "lookup", eng.segment_index.lookup)   # keep the bound method
+    from sparsex.segment import segment_index as si
+    monkeypatch.setattr(si, "hash_segment", lambda tokens, salt: b"\x07" * 16)   # every segment collides
+    run_to_completion(eng, _prompt(eng, HEAD, passages[:1], QUESTION), ONE)
+    assert len(eng.segment_index) == 1
+    out, _ = run_to_completion(eng, _prompt(eng, "Other head.\n", passages[1:2], QUESTION), ONE)
+    assert out.num_reused_tokens == 0                                       # same key, other tokens: no reuse
+    out, _ = run_to_completion(eng, _prompt(eng, "Other head.\n", passages[:1], QUESTION), ONE)
+    assert out.num_reused_tokens > 0                                        # the genuine segment still hits
+
+
+def test_segment_eviction_under_pressure_keeps_pool_consistent(smollm2, wiki_texts):
+    llm = LLM(cache="sparsex", dtype="float32", num_blocks=64, segment_eviction="frequency")
+    eng = llm.llm_engine
+    for i in range(8):                       # 8 prompts of ~3 passages each: far more than 64 blocks
+        p = _prompt(eng, HEAD, [t[:600] for t in wiki_texts[3 * i: 3 * i + 3]], QUESTION)
+        out, _ = run_to_completion(eng, p, ONE)
+        assert out.outputs[0].finish_reason == "length"
+        eng.check_integrity()
+    assert eng.segment_index.num_evicted > 0
+
+
+def test_default_selector_beats_naive_and_random_on_real_rag(llm_sx, llm_none):
+    from sparsex.bench.segment_reuse import build_queries
+    eng, ref = llm_sx.llm_engine, llm_none.llm_engine
+    eng.reset_cache()
+    pairs = build_queries(ref, num_queries=3, k=3, seed=1)
+    refs = [reference(ref, ev, 12) for ev, _ in pairs]
+    for _, pr in pairs:
+        run_to_completion(eng, pr, ONE)
+    kl = {}
+    for sel in ("none", "random", eng.config.reuse.selector):
+        kl[sel] = sum(teacher_forced(eng, ev, c, lps, reuse={"selector": sel}).kl
+                      for (ev, _), (c, lps) in zip(pairs, refs)) / len(pairs)
+    default = eng.config.reuse.selector
+    assert kl[default] < kl["none"] and kl[default] < kl["random"], kl
