@@ -58,7 +58,7 @@ class EngineConfig:
     max_model_len: int | None = None     # default: the model's max_position_embeddings
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 64
-    segment_eviction: str = "lru"        # "lru" | "frequency"
+    segment_eviction: str = "frequency"  # "frequency" (GreedyDual-Size-Frequency) | "lru"
     reuse: ReuseConfig | None = None
     cache_dir: str | None = None
 

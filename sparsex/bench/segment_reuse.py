@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", default=None, help="selector:F:ratio,... (default: the standard set)")
     ap.add_argument("--sparse-q-variant", default=None, help="dev_qrel | xseg | qrel (measurement)")
+    ap.add_argument("--boundary-share", type=float, default=None, help="sparse_q: budget share for segment starts")
     ap.add_argument("--out", default=None, help="write per-query JSON here")
     args = ap.parse_args(argv)
     variants = DEFAULT_VARIANTS if not args.variants else [
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
 
     ref = _engine(args.model, args.dtype, "none", device=args.device)
     pol = _engine(args.model, args.dtype, "sparsex", device=args.device)
+    if args.boundary_share is not None:
+        pol.runner.blender.boundary_share = args.boundary_share
     if args.sparse_q_variant:
         pol.runner.blender.sparse_q_variant = args.sparse_q_variant
     pairs = build_queries(ref, args.queries, args.passages, args.seed)

@@ -45,8 +45,13 @@ def compute_block_hashes(token_ids: list[int], block_size: int, cache_salt: str 
     return hashes
 
 
-def hash_segment(token_ids: list[int] | tuple[int, ...], cache_salt: str | None) -> bytes:
+def token_bytes(token_ids) -> bytes:
+    """Compact, comparable form of a token span (4 bytes a token): what segment entries store."""
+    return np.asarray(token_ids, dtype=np.int32).tobytes()
+
+
+def hash_segment(token_ids, cache_salt: str | None) -> bytes:
     h = xxhash.xxh3_128(_SEGMENT_DOMAIN)
     h.update(_salt_bytes(cache_salt))
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    h.update(token_ids if isinstance(token_ids, bytes) else token_bytes(token_ids))
     return h.digest()

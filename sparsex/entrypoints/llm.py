@@ -24,7 +24,7 @@ class LLM:
                  kv_cache_memory: int = 1 << 30, max_model_len: int | None = None,
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 64,
                  full_layers: int = 2, recompute_ratio: float = 0.15, selector: str = "sparse_q",
-                 boundary_tokens: int = 0, min_segment_tokens: int = 16, segment_eviction: str = "lru",
+                 boundary_tokens: int = 0, min_segment_tokens: int = 16, segment_eviction: str = "frequency",
                  cache_dir: str | None = None):
         reuse = ReuseConfig(full_layers=full_layers, recompute_ratio=recompute_ratio, selector=selector,
                             boundary_tokens=boundary_tokens, min_segment_tokens=min_segment_tokens)

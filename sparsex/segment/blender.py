@@ -74,7 +74,8 @@ class Blender:
         self.block_size = config.block_size
         self._gen = torch.Generator().manual_seed(config.seed)
         self._seqs: list[_SeqBlend] = []
-        self.sparse_q_variant = "dev_qrel"     # measurement knob (benchmarks); see docs/benchmarks.md
+        self.sparse_q_variant = "dev_qrel"     # measurement knobs (benchmarks); see docs/benchmarks.md
+        self.boundary_share = 0.0              # share of sparse_q's budget spent on segment-start tokens
         # counters
         self.recomputed_tokens = 0
         self.reused_tokens = 0
@@ -228,6 +229,10 @@ class Blender:
                 else:
                     scores = b.scores.float().cpu()
                 keep_mask = torch.zeros(n, dtype=torch.bool)
+                if r.selector == "sparse_q" and self.boundary_share > 0 and k > 0:
+                    keep_mask |= _boundary_budget(b.offsets.cpu(), b.seg_lo.cpu(), int(round(self.boundary_share * k)))
+                    k -= int(keep_mask.sum())
+                    scores = scores.masked_fill(keep_mask, float("-inf"))
                 if k > 0:
                     keep_mask[torch.topk(scores.cpu(), min(k, n)).indices] = True
                 if r.boundary_tokens > 0:
@@ -276,6 +281,13 @@ class _RowSelector:
 
     def __call__(self, layer_idx: int, ctx: ForwardContext) -> torch.Tensor | None:
         return self.blender.select(layer_idx, ctx)
+
+
+def _boundary_budget(offsets: torch.Tensor, seg_lo: torch.Tensor, budget: int) -> torch.Tensor:
+    """The first tokens of every reused segment, spread evenly, about `budget` rows in all."""
+    num_segments = int(torch.unique(seg_lo).numel())
+    per_segment = max(1, budget // max(1, num_segments))
+    return offsets < per_segment
 
 
 def _seq_index(md, row: int) -> int:

@@ -19,14 +19,14 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from sparsex.cache.block_hash import hash_segment
+from sparsex.cache.block_hash import hash_segment, token_bytes
 from sparsex.cache.block_pool import BlockPool, KVCacheBlock
 
 
 @dataclass(eq=False)
 class SegmentEntry:
     key: bytes
-    token_ids: tuple[int, ...]
+    tokens: bytes                   # int32 token ids, verified on every hit
     cache_salt: str | None
     blocks: list[KVCacheBlock]      # cover positions [start_pos, start_pos + len) of the source sequence
     start_pos: int                  # position the first token was computed at
@@ -37,7 +37,7 @@ class SegmentEntry:
     locks: int = 0                  # requests about to copy from it (not evictable meanwhile)
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return len(self.tokens) // 4
 
     def slot(self, i: int) -> int:
         """Cache slot of the entry's i-th token."""
@@ -46,7 +46,7 @@ class SegmentEntry:
         return self.blocks[p // self.block_size - first_block].block_id * self.block_size + p % self.block_size
 
     def slots(self) -> list[int]:
-        return [self.slot(i) for i in range(len(self.token_ids))]
+        return [self.slot(i) for i in range(len(self))]
 
 
 class SegmentIndex:
@@ -70,11 +70,12 @@ class SegmentIndex:
 
     # ---- lookup / insert --------------------------------------------------------------------
     def lookup(self, token_ids: list[int] | tuple[int, ...], cache_salt: str | None, count: bool = True) -> SegmentEntry | None:
-        key = hash_segment(token_ids, cache_salt)
+        tb = token_bytes(token_ids)
+        key = hash_segment(tb, cache_salt)
         entry = self.entries.get(key)
         if count:
             self.query_tokens += len(token_ids)
-        if entry is None or entry.cache_salt != cache_salt or entry.token_ids != tuple(token_ids):
+        if entry is None or entry.cache_salt != cache_salt or entry.tokens != tb:
             return None
         if count:
             self.hit_tokens += len(token_ids)
@@ -88,7 +89,8 @@ class SegmentIndex:
 
     def insert(self, token_ids: list[int], cache_salt: str | None, blocks: list[KVCacheBlock], start_pos: int) -> SegmentEntry | None:
         """Pin `blocks` (those covering [start_pos, start_pos+len)) as a new entry; None if already present."""
-        key = hash_segment(token_ids, cache_salt)
+        tb = token_bytes(token_ids)
+        key = hash_segment(tb, cache_salt)
         if key in self.entries:
             return None
         first = start_pos // self.block_size
@@ -97,7 +99,7 @@ class SegmentIndex:
         if len(pinned) != last - first + 1:
             raise ValueError(f"segment at {start_pos}+{len(token_ids)} needs blocks {first}..{last}, got {len(blocks)}")
         self.pool.touch(pinned)
-        entry = SegmentEntry(key, tuple(token_ids), cache_salt, pinned, start_pos, self.block_size,
+        entry = SegmentEntry(key, tb, cache_salt, pinned, start_pos, self.block_size,
                              last_access=next(self._clock))
         entry.priority = self._gdsf_floor + self._value(entry)
         self.entries[key] = entry
@@ -155,7 +157,7 @@ class SegmentIndex:
 
     def check_integrity(self) -> None:
         for key, e in self.entries.items():
-            if key != e.key or hash_segment(e.token_ids, e.cache_salt) != key:
+            if key != e.key or hash_segment(e.tokens, e.cache_salt) != key:
                 raise RuntimeError("segment entry stored under a key that is not its hash")
             if e.locks < 0:
                 raise RuntimeError("segment entry with negative lock count")
