@@ -118,10 +118,11 @@ class BlockPool:
         block.parent = parent.identity if parent is not None else None
         self.cached[block_hash.value] = block
 
-    def reset_prefix_cache(self) -> int:
-        """Forget every unreferenced cached block; returns how many were dropped."""
+    def reset_prefix_cache(self, include_in_use: bool = False) -> int:
+        """Forget cached block hashes: of unreferenced blocks, or of every block (their KV stays put,
+        they just stop serving prefix hits). Returns how many were dropped."""
         n = 0
-        for block in list(self.free_queue.values()):
+        for block in (self.blocks if include_in_use else list(self.free_queue.values())):
             if block.block_hash is not None:
                 self._drop_hash(block)
                 n += 1

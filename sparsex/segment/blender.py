@@ -75,7 +75,7 @@ class Blender:
         self._gen = torch.Generator().manual_seed(config.seed)
         self._seqs: list[_SeqBlend] = []
         self.sparse_q_variant = "dev_qrel"     # measurement knobs (benchmarks); see docs/benchmarks.md
-        self.boundary_share = 0.0              # share of sparse_q's budget spent on segment-start tokens
+        self.boundary_share = 0.5              # share of sparse_q's budget spent on segment-start tokens
         # counters
         self.recomputed_tokens = 0
         self.reused_tokens = 0
