@@ -69,8 +69,8 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (not _is_int(k) or k < 0 or k > MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
+            raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):

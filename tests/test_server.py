@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sparsex import LLM, SamplingParams
-from sparsex.config import EngineConfig, ReuseConfig
+from sparsex.config import EngineConfig
 from sparsex.entrypoints.async_engine import AsyncLLM
 from sparsex.entrypoints.background_server import BackgroundServer
 from sparsex.entrypoints.openai_server import build_app
@@ -64,9 +64,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server():
-    reuse = ReuseConfig()
-    config = EngineConfig(**KNOBS, num_blocks=512, reuse=reuse)
-    llm = AsyncLLM.from_config(config)
+    llm = AsyncLLM.from_config(EngineConfig(**KNOBS, num_blocks=512))
     settings = ServerSettings(api_key=KEY, tenant_header=TENANT, allow_shared_segments=True)
     srv = BackgroundServer(build_app(llm, settings))
     yield Server(srv, llm, llm.model_name)
@@ -470,7 +468,7 @@ def test_openapi_fuzz_finds_no_5xx(server):
     operations = [r.ok() for r in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/tokenize"}
     for op in operations:
-        @settings(max_examples=12, deadline=None, database=None, derandomize=True,
+        @settings(max_examples=25, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))
         @given(case=op.as_strategy())
         def check(case):

@@ -82,11 +82,14 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--variants", default=None, help="selector:F:ratio,... (default: the standard set)")
     ap.add_argument("--sparse-q-variant", default=None, help="dev_qrel | xseg | qrel (measurement)")
     ap.add_argument("--boundary-share", type=float, default=None, help="sparse_q: budget share for segment starts")
+    ap.add_argument("--ttft", action="store_true", help="time TTFT of none / prefix / sparsex instead of fidelity")
     ap.add_argument("--out", default=None, help="write per-query JSON here")
     args = ap.parse_args(argv)
     variants = DEFAULT_VARIANTS if not args.variants else [
         (v.split(":")[0], int(v.split(":")[1]), float(v.split(":")[2])) for v in args.variants.split(",")]
 
+    if args.ttft:
+        return ttft_table(args)
     ref = _engine(args.model, args.dtype, "none", device=args.device)
     pol = _engine(args.model, args.dtype, "sparsex", device=args.device)
     if args.boundary_share is not None:
@@ -116,6 +119,44 @@ def main(argv: list[str] | None = None) -> list[Row]:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": [asdict(r) for r in rows], "per_query": per_query}, f, indent=1)
+    return rows
+
+
+def ttft_table(args) -> list:
+    """TTFT of the same eval prompts under none / prefix / sparsex (each engine primed alike)."""
+    one = SamplingParams(temperature=0, max_tokens=1)
+    engines = {c: _engine(args.model, args.dtype, c, device=args.device) for c in ("none", "prefix", "sparsex")}
+    pairs = build_queries(engines["none"], args.queries, args.passages, args.seed)
+    L = engines["none"].model_config.num_hidden_layers
+    for eng in engines.values():                      # warm-up + priming (registers passages for sparsex)
+        for _, pr in pairs:
+            run_to_completion(eng, pr, one)
+    rows = []
+    sx = engines["sparsex"]
+    sel0, copy0 = sx.runner.blender.selection_seconds, sx.runner.blender.copy_seconds
+    res = {c: [run_to_completion(eng, ev, one)[0] for ev, _ in pairs] for c, eng in engines.items()}
+    sel = (sx.runner.blender.selection_seconds - sel0) / len(pairs)
+    copy = (sx.runner.blender.copy_seconds - copy0) / len(pairs)
+    base = statistics.mean(o.metrics.ttft for o in res["none"])
+    print(f"prompts: {statistics.mean(len(o.prompt_token_ids) for o in res['none']):.0f} tokens on average, "
+          f"{args.passages} passages, {args.queries} queries, {args.dtype}, torch threads {torch.get_num_threads()}")
+    print("| policy | TTFT mean | vs none | prefix-hit tokens | segment-reused | recomputed | compute share |")
+    print("|---|---|---|---|---|---|---|")
+    F = engines["sparsex"].config.reuse.full_layers
+    for c, outs in res.items():
+        t = statistics.mean(o.metrics.ttft for o in outs)
+        n = statistics.mean(len(o.prompt_token_ids) for o in outs)
+        cached = statistics.mean(o.num_cached_tokens for o in outs)
+        reused = statistics.mean(o.num_reused_tokens for o in outs)
+        rec = statistics.mean(o.num_recomputed_tokens for o in outs)
+        if c == "sparsex":
+            share = ((n - cached) * F + (n - cached - reused + rec) * (L - F)) / (n * L)
+        else:
+            share = (n - cached) / n
+        rows.append((c, t, t / base, cached, reused, rec, share))
+        print(f"| {c} | {1000*t:.0f} ms | {t/base:.3f}x | {cached:.0f} | {reused:.0f} | {rec:.0f} | {100*share:.1f}% |")
+    print(f"sparsex breakdown per request: KV copy + re-rotate {1000*copy:.1f} ms, selection {1000*sel:.1f} ms "
+          f"({100*sel/statistics.mean(o.metrics.ttft for o in res['sparsex']):.2f}% of its TTFT)")
     return rows
 
 

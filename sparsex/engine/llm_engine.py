@@ -123,7 +123,7 @@ class LLMEngine:
                 params, n=1, seed=None if params.seed is None else params.seed + i)
             gen = None
             if p.seed is not None:
-                gen = torch.Generator(device=self.runner.device).manual_seed(p.seed)
+                gen = torch.Generator(device=self.runner.device).manual_seed(p.seed % 2**64)  # n>1: seed+i may wrap
             req = Request(request_id=rid, prompt_token_ids=list(tp.token_ids), params=p, arrival_time=arrival,
                           prompt=tp.text, cache_salt=tp.cache_salt, segments=list(tp.segments), reuse=reuse_cfg,
                           eos_token_ids=self.eos_token_ids, max_tokens=max_tokens)

@@ -1,14 +1,25 @@
 """Runs one scheduler step on the model: builds the flat batch and attention metadata, applies
-segment-reuse plans (KV copy + row selection), runs the forward, samples, computes logprobs."""
+segment-reuse plans (KV copy + row selection), runs the forward, samples, computes logprobs.
+
+On CUDA the step's index arrays are built on the host and reach the device in one non_blocking
+copy (`host_inputs.py`); the only host-device sync of a step is reading the sampled tokens
+(a blended prefill also syncs once at its row selection). Steps made only of one-row decodes
+replay a CUDA graph (`cuda_graph.py`) unless `enforce_eager` is set (env SPARSEX_ENFORCE_EAGER=1).
+"""
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from sparsex.config import EngineConfig
+from sparsex.engine.cuda_graph import BATCH_SIZES, DecodeGraphs
 from sparsex.engine.forward_context import ForwardContext
+from sparsex.engine.host_inputs import BlockTables, PinnedUploader
+from sparsex.engine.request import Request
 from sparsex.engine.scheduler import SchedulerOutput
 from sparsex.layers.attention_backend import TorchAttentionBackend
 from sparsex.layers.attention_metadata import AttentionMetadata
@@ -84,6 +95,12 @@ class ModelRunner:
         self.capture_positions: dict[str, set[int]] = {}
         self.captured_logprobs: dict[str, dict[int, torch.Tensor]] = {}
         self.timings = StepTimings()
+        self.max_model_len = max_model_len
+        self.uploader = PinnedUploader(self.device)
+        self.block_tables = BlockTables()
+        # decode steps replay CUDA graphs (captured at the first such step) unless this is set
+        self.enforce_eager = os.environ.get("SPARSEX_ENFORCE_EAGER", "0") == "1"
+        self.decode_graphs: DecodeGraphs | None = None
 
     def bytes_per_block(self) -> int:
         cfg = self.model_config
@@ -110,40 +127,74 @@ class ModelRunner:
                 if positions[r] in want and h is not None:
                     got[positions[r]] = torch.log_softmax(self.model.compute_logits(hidden[h:h + 1]).float(), -1)[0].cpu()
 
-    @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> dict[str, RequestStepResult]:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []          # row (in the full batch) whose logits are sampled, per sampling seq
-        sample_reqs = []
+    def _host_inputs(self, sched: SchedulerOutput) -> _StepInputs:
+        """Every index array of the step, in numpy (no device work): rows of all sequences, flat."""
         bs = self.block_size
+        step = _StepInputs()
+        ids, pos, slots = [], [], []                 # per sequence: arrays, or scalars for one-row decodes
         for s in sched.scheduled:
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
-            toks = req.all_token_ids
-            table = [b.block_id for b in req.blocks]
-            for p in range(start, end):
-                input_ids.append(toks[p])
-                positions.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
-            cu.append(len(input_ids))
-            seq_lens.append(end)
-            tables.append(table)
+            table = self.block_tables.get(req)
+            if end - start == 1:
+                ids.append(_token_at(req, start))
+                pos.append(start)
+                slots.append(int(table[start // bs]) * bs + start % bs)
+            else:
+                p = np.arange(start, end, dtype=np.int64)
+                ids.append(np.asarray(_token_slice(req, start, end), dtype=np.int64))
+                pos.append(p)
+                slots.append(table[p // bs].astype(np.int64) * bs + p % bs)
+            step.cu.append(step.cu[-1] + end - start)
+            step.seq_lens.append(end)
+            step.tables.append(table)
             if end == req.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
-                sample_reqs.append(req)
-        max_blocks = max(len(t) for t in tables)
-        dev = self.device
+                step.sample_rows.append(step.cu[-1] - 1)
+                step.sample_reqs.append(req)
+        if all(isinstance(x, int) for x in pos):    # a pure decode step: one row per sequence
+            step.ids, step.positions, step.slots = (np.array(x, dtype=np.int64) for x in (ids, pos, slots))
+        else:
+            flat = lambda xs: np.concatenate([np.atleast_1d(np.asarray(x, dtype=np.int64)) for x in xs])
+            step.ids, step.positions, step.slots = flat(ids), flat(pos), flat(slots)
+        return step
+
+    def _graph_ok(self, sched: SchedulerOutput) -> bool:
+        """CUDA graphs only for steps whose every request is a one-row decode and nothing blends."""
+        if self.device.type != "cuda" or self.enforce_eager or self.capture_positions:
+            return False
+        if len(sched.scheduled) > min(self.config.max_num_seqs, BATCH_SIZES[-1]):
+            return False
+        return all(s.num_new_tokens == 1 and s.reuse_plan is None
+                   and s.request.num_computed_tokens >= s.request.num_prompt_tokens for s in sched.scheduled)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> dict[str, RequestStepResult]:
+        step = self._host_inputs(sched)
+        results: dict[str, RequestStepResult] = {s.request.request_id: RequestStepResult() for s in sched.scheduled}
+        if self._graph_ok(sched):
+            t0 = time.perf_counter()
+            if self.decode_graphs is None:
+                self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs,
+                                                  self.max_model_len, self.uploader)
+            logits = self.decode_graphs.run(step.ids, step.positions, step.slots, step.seq_lens, step.tables)
+            self._sample(step.sample_reqs, logits.float(), results)
+            self.timings.forward_s += time.perf_counter() - t0
+            return results
+
+        cu, seq_lens = step.cu, step.seq_lens
+        max_blocks = max(t.shape[0] for t in step.tables)
+        tables = np.zeros((len(seq_lens), max_blocks), dtype=np.int32)      # [num_seqs, max_blocks], 0-padded
+        for i, t in enumerate(step.tables):
+            tables[i, :t.shape[0]] = t
+        ids_t, pos_t, slot_t, cu_t, lens_t, tables_t, sample_t = self.uploader.upload([
+            step.ids, step.positions, step.slots, np.asarray(cu, dtype=np.int32),
+            np.asarray(seq_lens, dtype=np.int32), tables, np.asarray(step.sample_rows, dtype=np.int64)])
         md = AttentionMetadata(
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            positions=pos_t,
+            slot_mapping=slot_t,
+            cu_seqlens_q=cu_t,
+            seq_lens=lens_t,
+            block_tables=tables_t,
             max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])),
             max_seq_len=max(seq_lens),
             cu_seqlens_q_cpu=cu,
@@ -153,7 +204,6 @@ class ModelRunner:
         if self.blender is not None and any(s.reuse_plan is not None for s in sched.scheduled):
             self.blender.prepare(sched, ctx, self)
         t0 = time.perf_counter()
-        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         hidden = self.model(ids_t, md.positions, ctx)                   # [kept_rows, hidden]
         # map full-batch row -> row of `hidden`
         if ctx.kept_rows is None:
@@ -161,10 +211,13 @@ class ModelRunner:
         else:
             row_of = {int(r): i for i, r in enumerate(ctx.kept_rows.tolist())}
 
-        results: dict[str, RequestStepResult] = {s.request.request_id: RequestStepResult() for s in sched.scheduled}
+        need_positions = self.capture_positions or any(s.request.params.prompt_logprobs is not None
+                                                       for s in sched.scheduled)
+        positions = step.positions.tolist() if need_positions else None
         if self.capture_positions:
             self._capture(sched, cu, positions, hidden, row_of)
         # prompt logprobs: every computed row that predicts a prompt token
+        dev = self.device
         for si, s in enumerate(sched.scheduled):
             req = s.request
             if req.params.prompt_logprobs is None:
@@ -194,24 +247,63 @@ class ModelRunner:
                         d.update({i: lp for i, lp in zip(ids[j], lps[j]) if i not in d})
                     results[req.request_id].prompt_logprobs.append((pos, d))
 
-        if sample_reqs:
-            rows = sample_rows if row_of is None else [row_of[r] for r in sample_rows]
-            logits = self.model.compute_logits(hidden[rows]).float()    # [num_sampled, vocab]
-            batch = SamplingBatch.from_params([r.params for r in sample_reqs], [r.generator for r in sample_reqs], dev)
-            out = self.sampler(logits, batch)
-            tokens = out.sampled_token_ids.tolist()
-            sampled_lp = out.sampled_logprobs.tolist() if out.sampled_logprobs is not None else None
-            top_ids = out.topk_token_ids.tolist() if out.topk_token_ids is not None else None
-            top_lps = out.topk_logprobs.tolist() if out.topk_logprobs is not None else None
-            for j, req in enumerate(sample_reqs):
-                res = results[req.request_id]
-                res.sampled_token = tokens[j]
-                k = req.params.logprobs
-                if k is not None and sampled_lp is not None:
-                    d = {tokens[j]: sampled_lp[j]}
-                    if top_ids is not None:
-                        for i, lp in zip(top_ids[j][:k], top_lps[j][:k]):
-                            d.setdefault(i, lp)
-                    res.logprobs = d
+        if step.sample_reqs:
+            if row_of is None:
+                sampled_hidden = hidden.index_select(0, sample_t)
+            else:
+                sampled_hidden = hidden[[row_of[r] for r in step.sample_rows]]
+            logits = self.model.compute_logits(sampled_hidden).float()    # [num_sampled, vocab]
+            self._sample(step.sample_reqs, logits, results)
         self.timings.forward_s += time.perf_counter() - t0
         return results
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor, results: dict[str, RequestStepResult]) -> None:
+        """Sample one token per request from logits [len(reqs), vocab]; the step's one device->host sync."""
+        batch = SamplingBatch.from_params([r.params for r in reqs], [r.generator for r in reqs], "cpu")
+        if self.device.type != "cpu" and not batch.all_greedy:
+            # greedy rows only take an argmax; the knob tensors travel only when some row samples
+            for name in ("temperature", "top_p", "top_k", "min_p"):
+                setattr(batch, name, getattr(batch, name).to(self.device, non_blocking=True))
+        out = self.sampler(logits, batch)
+        tokens = out.sampled_token_ids.tolist()
+        sampled_lp = out.sampled_logprobs.tolist() if out.sampled_logprobs is not None else None
+        top_ids = out.topk_token_ids.tolist() if out.topk_token_ids is not None else None
+        top_lps = out.topk_logprobs.tolist() if out.topk_logprobs is not None else None
+        for j, req in enumerate(reqs):
+            res = results[req.request_id]
+            res.sampled_token = tokens[j]
+            k = req.params.logprobs
+            if k is not None and sampled_lp is not None:
+                d = {tokens[j]: sampled_lp[j]}
+                if top_ids is not None:
+                    for i, lp in zip(top_ids[j][:k], top_lps[j][:k]):
+                        d.setdefault(i, lp)
+                res.logprobs = d
+
+
+@dataclass
+class _StepInputs:
+    """Host-side (numpy / lists) inputs of one step; rows of sequence i are cu[i]:cu[i+1]."""
+    ids: np.ndarray = None              # [num_rows] int64
+    positions: np.ndarray = None        # [num_rows] int64
+    slots: np.ndarray = None            # [num_rows] int64
+    cu: list[int] = field(default_factory=lambda: [0])
+    seq_lens: list[int] = field(default_factory=list)
+    tables: list[np.ndarray] = field(default_factory=list)     # per sequence: block ids, int32
+    sample_rows: list[int] = field(default_factory=list)       # row whose logits are sampled, per sampling seq
+    sample_reqs: list[Request] = field(default_factory=list)
+
+
+def _token_at(req: Request, p: int) -> int:
+    n = req.num_prompt_tokens
+    return req.prompt_token_ids[p] if p < n else req.output_token_ids[p - n]
+
+
+def _token_slice(req: Request, start: int, end: int) -> list[int]:
+    """Token ids at positions start..end-1 without building prompt + output (all_token_ids) first."""
+    n = req.num_prompt_tokens
+    if end <= n:
+        return req.prompt_token_ids[start:end]
+    if start >= n:
+        return req.output_token_ids[start - n:end - n]
+    return req.prompt_token_ids[start:] + req.output_token_ids[:end - n]

@@ -116,6 +116,8 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
+            if self.segment_planner is not None and req.reuse is not None:
+                self.segment_planner.admitted(req)
             self.kv.prefix_queries += req.num_tokens
             self.kv.prefix_hits += num_hit
             req.num_computed_tokens += num_hit

@@ -91,6 +91,14 @@ def _content_text(content: Any) -> str:
     raise ValueError(f"message content must be a string or a list of parts, got {type(content).__name__}")
 
 
+def _content_parts(content: Any) -> list[str]:
+    if isinstance(content, list):
+        return [t for t in (p.get("text", "") for p in content
+                            if isinstance(p, dict) and p.get("type", "text") == "text") if t]
+    text = _content_text(content)
+    return [text] if text else []
+
+
 def chat_pieces(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                 tools: list[dict] | None = None) -> tuple[list[str], list[bool]]:
     """Render the chat template and cut it into glue and message-content pieces (content = reusable)."""
@@ -100,22 +108,22 @@ def chat_pieces(tokenizer, messages: list[dict], add_generation_prompt: bool = T
         if not isinstance(m, dict) or "role" not in m:
             raise ValueError(f"each message needs a 'role', got {m!r}")
     norm = [{**m, "content": _content_text(m.get("content"))} for m in messages]
+    # the reusable units: each text part of a message (a RAG message may carry several passages)
+    parts = [_content_parts(m.get("content")) for m in messages]
     if tokenizer.chat_template is None:
         raise ValueError("this model has no chat template; use generate() with a plain prompt")
     text = tokenizer.apply_chat_template(norm, tokenize=False, add_generation_prompt=add_generation_prompt,
                                          **({"tools": tools} if tools else {}))
     pieces, reusable, cursor = [], [], 0
-    for m in norm:
-        content = m["content"]
-        if not content:
-            continue
-        at = text.find(content, cursor)
-        if at < 0:                      # the template rewrote the content: no segment for it
-            continue
-        if at > cursor:
-            pieces.append(text[cursor:at]); reusable.append(False)
-        pieces.append(content); reusable.append(True)
-        cursor = at + len(content)
+    for m, m_parts in zip(norm, parts):
+        if not m["content"] or text.find(m["content"], cursor) < 0:
+            continue                    # empty, or the template rewrote the content: no segment for it
+        for content in m_parts:
+            at = text.find(content, cursor)
+            if at > cursor:
+                pieces.append(text[cursor:at]); reusable.append(False)
+            pieces.append(content); reusable.append(True)
+            cursor = at + len(content)
     if cursor < len(text):
         pieces.append(text[cursor:]); reusable.append(False)
     return pieces, reusable

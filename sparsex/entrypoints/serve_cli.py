@@ -6,12 +6,13 @@ The CLI owner wires it with `add_serve_parser(subparsers)`; the parser's default
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import re
 import sys
 
-from sparsex.config import CACHE_MODES, SELECTORS
+from sparsex.config import CACHE_MODES, SELECTORS, EngineConfig, ReuseConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -32,27 +33,37 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _defaults(cls) -> dict:
+    return {f.name: f.default for f in dataclasses.fields(cls)}
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Every knob of `LLM(...)`, with its defaults."""
+    """Every knob of `LLM(...)`; defaults come from EngineConfig / ReuseConfig, so they cannot drift."""
+    e, r = _defaults(EngineConfig), _defaults(ReuseConfig)
     g = p.add_argument_group("engine")
-    g.add_argument("--cache", choices=CACHE_MODES, default="sparsex",
-                   help="KV reuse: none, prefix (exact prefix caching), sparsex (prefix + segment reuse)")
-    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-blocks", type=_positive_int, default=None, help="KV pool size in blocks (overrides --kv-cache-memory)")
-    g.add_argument("--kv-cache-memory", type=parse_bytes, default=1 << 30, help="bytes for the KV pool, e.g. 1G")
-    g.add_argument("--max-model-len", type=_positive_int, default=None, help="default: the model's context length")
-    g.add_argument("--max-num-seqs", type=_positive_int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192)
-    g.add_argument("--full-layers", type=int, default=2, help="segment reuse: layers that recompute every token")
-    g.add_argument("--recompute-ratio", type=float, default=0.15, help="segment reuse: share of reused tokens recomputed")
-    g.add_argument("--selector", choices=SELECTORS, default="sparse_q", help="segment reuse: how tokens to recompute are chosen")
-    g.add_argument("--boundary-tokens", type=int, default=0, help="segment reuse: also recompute each segment's first k tokens")
-    g.add_argument("--min-segment-tokens", type=int, default=16, help="segment reuse: shorter pieces are not indexed")
-    g.add_argument("--segment-eviction", choices=("lru", "frequency"), default="lru")
-    g.add_argument("--cache-dir", default=None, help="where converted models are cached (default $SPARSEX_CACHE_DIR)")
+    g.add_argument("--cache", choices=CACHE_MODES, default=e["cache"],
+                   help="KV reuse: none, prefix (exact prefix caching), "
+                        "sparsex (prefix + segment reuse: approximate KV for reused segments)")
+    g.add_argument("--dtype", default=e["dtype"], help="float32 | bfloat16 | float16")
+    g.add_argument("--device", default=e["device"], help="cpu | cuda | cuda:N")
+    g.add_argument("--seed", type=int, default=e["seed"])
+    g.add_argument("--block-size", type=int, default=e["block_size"])
+    g.add_argument("--num-blocks", type=_positive_int, default=e["num_blocks"],
+                   help="KV pool size in blocks (overrides --kv-cache-memory)")
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=e["kv_cache_memory"], help="bytes for the KV pool, e.g. 1G")
+    g.add_argument("--max-model-len", type=_positive_int, default=e["max_model_len"], help="default: the model's context length")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=e["max_num_seqs"])
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=e["max_num_batched_tokens"])
+    g.add_argument("--full-layers", type=int, default=r["full_layers"], help="segment reuse: layers that recompute every token")
+    g.add_argument("--recompute-ratio", type=float, default=r["recompute_ratio"],
+                   help="segment reuse: share of reused tokens recomputed")
+    g.add_argument("--selector", choices=SELECTORS, default=r["selector"], help="segment reuse: how tokens to recompute are chosen")
+    g.add_argument("--boundary-tokens", type=int, default=r["boundary_tokens"],
+                   help="segment reuse: also recompute each segment's first k tokens")
+    g.add_argument("--min-segment-tokens", type=int, default=r["min_segment_tokens"],
+                   help="segment reuse: shorter pieces are not indexed")
+    g.add_argument("--segment-eviction", choices=("lru", "frequency"), default=e["segment_eviction"])
+    g.add_argument("--cache-dir", default=e["cache_dir"], help="where converted models are cached (default $SPARSEX_CACHE_DIR)")
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -85,8 +96,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     return p
 
 
-def engine_config(args: argparse.Namespace):
-    from sparsex.config import EngineConfig, ReuseConfig
+def engine_config(args: argparse.Namespace) -> EngineConfig:
     reuse = ReuseConfig(full_layers=args.full_layers, recompute_ratio=args.recompute_ratio, selector=args.selector,
                         boundary_tokens=args.boundary_tokens, min_segment_tokens=args.min_segment_tokens)
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache=args.cache, seed=args.seed,

@@ -74,6 +74,7 @@ class Blender:
         self.block_size = config.block_size
         self._gen = torch.Generator().manual_seed(config.seed)
         self._seqs: list[_SeqBlend] = []
+        self._pending: dict[str, tuple[int, list[SegmentEntry]]] = {}   # planned, not yet admitted
         self.sparse_q_variant = "dev_qrel"     # measurement knobs (benchmarks); see docs/benchmarks.md
         self.boundary_share = 0.5              # share of sparse_q's budget spent on segment-start tokens
         # counters
@@ -86,24 +87,34 @@ class Blender:
     def plan(self, req: Request, num_prefix_hit: int) -> ReusePlan | None:
         reuse = req.reuse
         hits = []
+        queried = 0
         toks = req.prompt_token_ids
         for span in req.segments:
             if span.start < num_prefix_hit or span.end - span.start < reuse.min_segment_tokens:
                 continue
             if span.end >= req.num_prompt_tokens:
                 continue          # the last prompt token must be computed: its logits start decoding
-            entry = self.index.lookup(toks[span.start:span.end], req.cache_salt)
+            queried += span.end - span.start
+            # counted in `admitted`: a request that waits is planned again next step
+            entry = self.index.lookup(toks[span.start:span.end], req.cache_salt, count=False)
             if entry is not None:
                 self.index.lock(entry)
                 hits.append((span, entry))
+        self._pending[req.request_id] = (queried, [e for _, e in hits])
         if not hits:
             return None
         plan = ReusePlan(reuse, hits)
         req.reuse_plan = plan
         return plan
 
+    def admitted(self, req: Request) -> None:
+        """The scheduler admitted the request with its plan: count the lookups once."""
+        queried, entries = self._pending.pop(req.request_id, (0, []))
+        self.index.record_lookups(queried, entries)
+
     def release(self, req: Request) -> None:
         """Unlock a plan that will not run (preemption, allocation failure, abort)."""
+        self._pending.pop(req.request_id, None)
         plan = req.reuse_plan
         if plan is not None:
             for _, entry in plan.hits:

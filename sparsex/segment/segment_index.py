@@ -73,16 +73,20 @@ class SegmentIndex:
         tb = token_bytes(token_ids)
         key = hash_segment(tb, cache_salt)
         entry = self.entries.get(key)
-        if count:
-            self.query_tokens += len(token_ids)
         if entry is None or entry.cache_salt != cache_salt or entry.tokens != tb:
-            return None
+            entry = None
         if count:
-            self.hit_tokens += len(token_ids)
+            self.record_lookups(len(token_ids), [entry] if entry is not None else [])
+        return entry
+
+    def record_lookups(self, query_tokens: int, hits: list[SegmentEntry]) -> None:
+        """Count a request's lookups (tokens queried, entries hit) and refresh the hit entries."""
+        self.query_tokens += query_tokens
+        for entry in hits:
+            self.hit_tokens += len(entry)
             entry.hits += 1
             entry.last_access = next(self._clock)
             entry.priority = self._gdsf_floor + self._value(entry)
-        return entry
 
     def _value(self, entry: SegmentEntry) -> float:
         return (1 + entry.hits) * len(entry) / max(1, len(entry.blocks) * self.block_size)

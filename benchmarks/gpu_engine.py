@@ -1,0 +1,624 @@
+"""The engine on one GPU (H200): prefill, decode and blended prefill against baselines measured in the
+same call, plus SmolLM2 parity and bf16 agreement. GPU machine only.
+
+    PYTHONPATH=. python3 benchmarks/gpu_engine.py [--sections ceil,prefill,decode,blend,smol] [--out DIR]
+
+Sections (each prints a table; all numbers of a table come from this one process):
+  ceil     measured ceilings: 8192^3 bf16 matmul (TFLOP/s) and a 2 GiB device copy (bytes read + written).
+  prefill  full prefill at 2k/8k/32k, one sequence: our model forward (Triton paged attention, logits of
+           the last token only) vs transformers' LlamaForCausalLM (SDPA) on the same weights
+           (`logits_to_keep=1`); MFU against the measured matmul peak; a torch.profiler split at 8k.
+  decode   decode tokens/s at batch 1/16/64 with 2k context: the engine's step loop with CUDA graphs,
+           the same with enforce_eager, and transformers' per-step loop (forward + DynamicCache + argmax,
+           what `generate` runs each step) on random 2k caches; fraction of the HBM floor
+           ((weights + KV bytes) per step / measured copy bandwidth).
+  blend    TTFT of RAG-like prompts (system + k passages x 512 tokens + question) whose passages were
+           cached by an earlier prompt in another order: cache="sparsex" (full_layers=2,
+           recompute_ratio=0.15, default selector) vs "none" vs "prefix", with a CUDA-event breakdown.
+  smol     SmolLM2-135M (real weights, needs the staged GGUF): fp32 greedy tokens vs the CPU path
+           (tests/data/smollm2_greedy_cpu.json) and vs transformers on the GPU; bf16 teacher-forced
+           top-1 agreement with fp32.
+Sections ceil..blend use random weights of the Llama-3-8B shape ("dummy:llama3-8b", bf16): speed only;
+token ids are random too. Times: CUDA events or host clocks after a device sync, medians.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from sparsex import LLM, SamplingParams  # noqa: E402
+from sparsex.engine.forward_context import ForwardContext  # noqa: E402
+from sparsex.layers.attention_metadata import AttentionMetadata  # noqa: E402
+from sparsex.models import loader  # noqa: E402
+
+DEV = torch.device("cuda")
+MODEL = "dummy:llama3-8b"
+MAX_LEN = 40960
+# (tokens, warm-up, repeats) per prefill; decode batches and context; blend passages per prompt x tokens each
+SIZES = {"prefill": ((2048, 2, 5), (8192, 1, 3), (32768, 1, 3)), "profile": 8192, "decode_batches": (1, 16, 64),
+         "decode_ctx": 2048, "passages": (8, 16, 32, 64), "passage_len": 512}
+GIB = 1 << 30
+RESULTS: dict = {}
+_rng = np.random.default_rng(0)
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+def table(title: str, header: list[str], rows: list[list]) -> None:
+    log(f"\n### {title}\n")
+    log("| " + " | ".join(header) + " |")
+    log("|" + "---|" * len(header))
+    for r in rows:
+        log("| " + " | ".join(str(x) for x in r) + " |")
+
+
+def cuda_ms(fn, warmup: int, reps: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def rand_ids(n: int) -> list[int]:
+    return _rng.integers(3, 48000, n).tolist()
+
+
+# ------------------------------------------------------------------------------ setup helpers
+class _NullTokenizer:
+    """Random weights make text meaningless; stands in when SmolLM2's tokenizer is not staged."""
+    eos_token_id = 2
+    chat_template = None
+
+    def decode(self, ids, **kw) -> str:
+        return ""
+
+    def encode(self, text, **kw):
+        raise ValueError("this benchmark sends token ids only")
+
+
+def _patch_dummy_tokenizer() -> None:
+    real = loader._dummy_tokenizer
+
+    def tokenizer(root):
+        tok = real(root)
+        return tok if tok is not None else _NullTokenizer()
+    loader._dummy_tokenizer = tokenizer
+
+
+def make_llm(cache: str, kv_gib: float, share_from: LLM | None = None) -> LLM:
+    llm = LLM(MODEL, device=DEV.type, dtype="bfloat16" if DEV.type == "cuda" else "float32", cache=cache, kv_cache_memory=int(kv_gib * GIB),
+              max_model_len=MAX_LEN, max_num_batched_tokens=MAX_LEN, max_num_seqs=64)
+    if share_from is not None:
+        # same seed -> same random weights; keep one copy on the GPU
+        runner = llm.llm_engine.runner
+        runner.model = share_from.llm_engine.runner.model
+        if runner.blender is not None:
+            runner.blender.model = runner.model
+        torch.cuda.empty_cache()
+    return llm
+
+
+def hf_from_ours(model, cfg) -> torch.nn.Module:
+    """transformers' LlamaForCausalLM whose parameters are views of ours (no second copy)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hcfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                       num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+                       num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+                       rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling, max_position_embeddings=131072,
+                       tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=False,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    hcfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(hcfg)
+    q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    sd = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight,
+          "lm_head.weight": model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight}
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        w = layer.self_attn.qkv_proj.weight
+        sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"], sd[p + "self_attn.v_proj.weight"] = \
+            w[:q], w[q:q + kv], w[q + kv:]
+        sd[p + "self_attn.o_proj.weight"] = layer.self_attn.o_proj.weight
+        gu = layer.mlp.gate_up_proj.weight
+        sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"] = gu[:inter], gu[inter:]
+        sd[p + "mlp.down_proj.weight"] = layer.mlp.down_proj.weight
+        sd[p + "input_layernorm.weight"] = layer.input_layernorm.weight
+        sd[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+    hf.load_state_dict(sd, strict=True, assign=True)
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hcfg).to(DEV)
+    assert not any(t.is_meta for t in list(hf.parameters()) + list(hf.buffers())), "meta tensors left in the HF model"
+    return hf.eval()
+
+
+def plain_prefill_md(n: int, block_size: int) -> AttentionMetadata:
+    """One sequence, positions 0..n-1, in pool blocks 0..cdiv(n, block_size)-1."""
+    pos = torch.arange(n, device=DEV)
+    nb = -(-n // block_size)
+    return AttentionMetadata(
+        positions=pos, slot_mapping=pos.clone(), cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=DEV),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=DEV),
+        block_tables=torch.arange(nb, dtype=torch.int32, device=DEV)[None], max_seqlen_q=n, max_seq_len=n,
+        cu_seqlens_q_cpu=[0, n], seq_lens_cpu=[n])
+
+
+class SdpaPlainPrefill:
+    """Diagnostic only: a one-sequence plain prefill's keys are pool slots 0..n-1 in order, so SDPA
+    (flash) can run on them directly. Tells how much of the forward is the attention kernel."""
+    name = "sdpa-diagnostic"
+
+    @staticmethod
+    def store_kv(key, value, k_cache, v_cache, slot_mapping):
+        if key.device.type == "cuda":
+            from sparsex.layers.triton_attention import TritonAttentionBackend as backend
+        else:
+            from sparsex.layers.attention_backend import TorchAttentionBackend as backend
+        backend.store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    @staticmethod
+    def attention(query, k_cache, v_cache, md, scale):
+        n = query.shape[0]
+        k = k_cache.view(-1, *k_cache.shape[2:])[:n]
+        v = v_cache.view(-1, *v_cache.shape[2:])[:n]
+        o = F.scaled_dot_product_attention(query.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           is_causal=True, scale=scale, enable_gqa=True)
+        return o[0].transpose(0, 1)
+
+
+def matmul_params(cfg) -> int:
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    return per_layer * cfg.num_hidden_layers
+
+
+def prefill_flops(cfg, n: int) -> float:
+    """Matmuls of every row + causal attention (visible pairs only) + the last row's lm_head."""
+    attn = 2 * cfg.head_dim * cfg.num_attention_heads * n * (n + 1) * cfg.num_hidden_layers
+    return 2.0 * n * matmul_params(cfg) + attn + 2.0 * cfg.hidden_size * cfg.vocab_size
+
+
+def kernel_split(prof) -> dict[str, float]:
+    """Self device time (ms) of the profiled kernels, by family (names of cuBLAS/Triton/flash kernels)."""
+    groups = {"gemm": 0.0, "attention": 0.0, "kv store": 0.0, "norm/rope/act/other": 0.0}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        t = getattr(e, "self_cuda_time_total", 0.0) if t is None else t
+        if t <= 0 or e.key.startswith("aten::"):
+            continue
+        k = e.key.lower()
+        if any(s in k for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul")):
+            family = "gemm"
+        elif any(s in k for s in ("prefill_kernel", "flash", "fmha", "attention", "decode_kernel")):
+            family = "attention"
+        elif "store_kv" in k:
+            family = "kv store"
+        else:
+            family = "norm/rope/act/other"
+        groups[family] += t / 1e3
+    return groups
+
+
+# ------------------------------------------------------------------------------ sections
+def section_ceil() -> dict:
+    m = 8192 if DEV.type == "cuda" else 256
+    a = torch.randn(m, m, dtype=torch.bfloat16, device=DEV)
+    b = torch.randn(m, m, dtype=torch.bfloat16, device=DEV)
+    ms = cuda_ms(lambda: a @ b, 3, 10)
+    tflops = 2 * m ** 3 / ms / 1e9
+    x = torch.randn(GIB if DEV.type == "cuda" else 1 << 20, dtype=torch.bfloat16, device=DEV)   # 2 GiB
+    y = torch.empty_like(x)
+    ms_c = cuda_ms(lambda: y.copy_(x), 2, 10)
+    bw = 2 * x.numel() * 2 / ms_c / 1e9                           # TB/s
+    del a, b, x, y
+    table("Measured ceilings", ["what", "value"], [["bf16 matmul 8192^3", f"{tflops:.0f} TFLOP/s"],
+                                                  ["device copy 2 GiB", f"{bw:.2f} TB/s"]])
+    RESULTS["ceil"] = {"tflops": tflops, "tbps": bw}
+    return RESULTS["ceil"]
+
+
+def section_prefill(llm: LLM, hf, ceil: dict) -> None:
+    runner = llm.llm_engine.runner
+    model, cfg = runner.model, runner.model_config
+    rows, out = [], []
+    for n, warm, reps in SIZES["prefill"]:
+        ids = torch.tensor(rand_ids(n), device=DEV)
+        md = plain_prefill_md(n, runner.block_size)
+        ctx = ForwardContext(attn_metadata=md, kv_caches=runner.kv_caches, backend=runner.backend)
+        ctx_sdpa = ForwardContext(attn_metadata=md, kv_caches=runner.kv_caches, backend=SdpaPlainPrefill)
+        with torch.inference_mode():
+            ours = lambda: model.compute_logits(model(ids, md.positions, ctx)[-1:])
+            ours_sdpa = lambda: model.compute_logits(model(ids, md.positions, ctx_sdpa)[-1:])
+            theirs = lambda: hf(input_ids=ids[None], use_cache=False, logits_to_keep=1).logits[0]
+            err = ((ours().float() - theirs().float()).norm() / theirs().float().norm()).item()
+            t_ours = cuda_ms(ours, warm, reps)
+            t_hf = cuda_ms(theirs, warm, reps)
+            t_sdpa = cuda_ms(ours_sdpa, warm, reps)
+        fl = prefill_flops(cfg, n)
+        mfu = lambda ms: fl / (ms * 1e-3) / (ceil["tflops"] * 1e12)
+        rows.append([f"{n:,}", f"{t_ours:.1f} ms", f"{t_hf:.1f} ms", f"{t_ours / t_hf:.3f}", f"{mfu(t_ours):.2f}",
+                     f"{mfu(t_hf):.2f}", f"{t_sdpa:.1f} ms", f"{err:.1e}"])
+        out.append({"tokens": n, "ours_ms": t_ours, "hf_ms": t_hf, "ours_sdpa_diag_ms": t_sdpa, "tflop": fl / 1e12,
+                    "mfu_ours": mfu(t_ours), "mfu_hf": mfu(t_hf), "rel_err_last_logits": err})
+        log(f"prefill {n}: ours {t_ours:.1f} ms, hf {t_hf:.1f} ms, ours+sdpa {t_sdpa:.1f} ms, err {err:.1e}")
+    table("Full prefill, one sequence (random weights, Llama-3-8B shape, bf16)",
+          ["tokens", "SparseX forward (Triton)", "transformers SDPA", "ours / HF", "MFU ours", "MFU HF",
+           "diag: ours with SDPA attention", "rel. err. last logits"], rows)
+    # where the time goes at 8k
+    from torch.profiler import ProfilerActivity, profile
+    n = SIZES["profile"]
+    ids = torch.tensor(rand_ids(n), device=DEV)
+    md = plain_prefill_md(n, runner.block_size)
+    ctx = ForwardContext(attn_metadata=md, kv_caches=runner.kv_caches, backend=runner.backend)
+    splits = {}
+    with torch.inference_mode():
+        for name, fn in (("ours", lambda: model.compute_logits(model(ids, md.positions, ctx)[-1:])),
+                         ("hf", lambda: hf(input_ids=ids[None], use_cache=False, logits_to_keep=1).logits)):
+            fn()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA if DEV.type == "cuda" else ProfilerActivity.CPU]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            splits[name] = kernel_split(prof)
+            if OUT:
+                try:
+                    text = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40)
+                except Exception as exc:                      # older profilers name the column differently
+                    text = f"table failed: {exc!r}"
+                with open(os.path.join(OUT, f"profile_prefill8k_{name}.txt"), "w") as f:
+                    f.write(text)
+    table("Kernel time by family, 8k prefill (torch.profiler, ms of device time)",
+          ["family", "SparseX", "transformers"],
+          [[k, f"{splits['ours'][k]:.1f}", f"{splits['hf'][k]:.1f}"] for k in splits["ours"]])
+    RESULTS["prefill"] = {"rows": out, "profile_8k_ms": splits}
+
+
+def _engine_decode(llm: LLM, batch: int, ctx_len: int, warm: int, steps: int) -> dict:
+    eng = llm.llm_engine
+    runner = eng.runner
+    params = SamplingParams(temperature=0.0, max_tokens=2 * (warm + steps) + 4, ignore_eos=True)
+    rids = [f"dec{batch}-{i}" for i in range(batch)]
+    for rid in rids:
+        eng.add_request(rid, {"prompt_token_ids": rand_ids(ctx_len)}, params)
+    reqs = [eng.requests[r] for r in rids]
+    while any(not r.output_token_ids for r in reqs):
+        eng.step()
+    res = {}
+    for mode in ("graph", "eager"):
+        runner.enforce_eager = mode == "eager"
+        for _ in range(warm):
+            eng.step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        res[mode] = batch * steps / (time.perf_counter() - t0)
+    runner.enforce_eager = False
+    eng.abort_request(rids)
+    eng.check_integrity()
+    return res
+
+
+def _hf_decode(hf, cfg, batch: int, ctx_len: int, warm: int, steps: int) -> float:
+    from transformers import DynamicCache
+    cache = DynamicCache()
+    shape = (batch, cfg.num_key_value_heads, ctx_len, cfg.head_dim)
+    for layer in range(cfg.num_hidden_layers):
+        cache.update(torch.randn(shape, dtype=torch.bfloat16, device=DEV),
+                     torch.randn(shape, dtype=torch.bfloat16, device=DEV), layer)
+    tok = torch.randint(3, 48000, (batch, 1), device=DEV)
+    pos = ctx_len
+    t0 = None
+    with torch.inference_mode():
+        for i in range(warm + steps):
+            if i == warm:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+            out = hf(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                     position_ids=torch.full((batch, 1), pos, device=DEV),
+                     cache_position=torch.tensor([pos], device=DEV))
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            pos += 1
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    del cache, out
+    torch.cuda.empty_cache()
+    return batch * steps / dt
+
+
+def _hf_generate_b1(hf, ctx_len: int, new: int) -> float:
+    """transformers' own generate at batch 1: decode tok/s = (new-1) / (t(new) - t(1))."""
+    ids = torch.tensor([rand_ids(ctx_len)], device=DEV)
+    kw = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0, eos_token_id=None)
+    times = {}
+    with torch.inference_mode():
+        for n in (1, new):
+            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+            torch.cuda.synchronize()
+            times[n] = time.perf_counter() - t0
+    return (new - 1) / (times[new] - times[1])
+
+
+def section_decode(llm: LLM, hf, ceil: dict) -> None:
+    runner = llm.llm_engine.runner
+    cfg = runner.model_config
+    ctx_len = SIZES["decode_ctx"]
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters()
+                       if not n.startswith("embed_tokens"))
+    kv_per_token = runner.bytes_per_block() // runner.block_size
+    rows, out = [], []
+    for batch in SIZES["decode_batches"]:
+        ours = _engine_decode(llm, batch, ctx_len, warm=4, steps=24)
+        theirs = _hf_decode(hf, cfg, batch, ctx_len, warm=3, steps=12)
+        step_bytes = weight_bytes + batch * (ctx_len + 40) * kv_per_token
+        floor_tok_s = batch / (step_bytes / (ceil["tbps"] * 1e12))
+        rows.append([batch, f"{ours['graph']:.0f}", f"{ours['eager']:.0f}", f"{theirs:.0f}",
+                     f"{ours['graph'] / theirs:.1f}x", f"{floor_tok_s:.0f}", f"{ours['graph'] / floor_tok_s:.2f}"])
+        out.append({"batch": batch, "graph_tok_s": ours["graph"], "eager_tok_s": ours["eager"], "hf_loop_tok_s": theirs,
+                    "floor_tok_s": floor_tok_s, "step_gb": step_bytes / 1e9})
+        log(f"decode b{batch}: {out[-1]}")
+    gen_b1 = _hf_generate_b1(hf, ctx_len, 17)
+    table("Decode, 2k context (random weights, Llama-3-8B shape, bf16; tokens/s over all sequences)",
+          ["batch", "SparseX + CUDA graphs", "SparseX eager", "transformers step loop", "graphs / HF",
+           "HBM floor", "fraction of floor"], rows)
+    log(f"\ntransformers `generate` at batch 1 (2k prompt, its prefill subtracted): {gen_b1:.1f} tok/s")
+    RESULTS["decode"] = {"rows": out, "hf_generate_b1_tok_s": gen_b1, "weight_gb": weight_bytes / 1e9}
+
+
+class BlendTimer:
+    """CUDA events around the blended step's stages (prepare = KV copy + re-rotation, the probe =
+    selection scoring inside layer F-1, selection between layers F-1 and F, the sparse layers)."""
+
+    def __init__(self, runner, full_layers: int):
+        self.active = False
+        self.events: dict[str, torch.cuda.Event] = {}
+        b = runner.blender
+        prepare, probe = b.prepare, b._probe
+
+        def timed_prepare(sched, ctx, r):
+            self._rec("prep0"); prepare(sched, ctx, r); self._rec("prep1")
+
+        def timed_probe(*a, **k):
+            self._rec("probe0"); probe(*a, **k); self._rec("probe1")
+        b.prepare, b._probe = timed_prepare, timed_probe
+        layers = runner.model.layers
+        self.handles = [
+            layers[0].register_forward_pre_hook(lambda m, a: self._rec("layer0")),
+            layers[full_layers - 1].register_forward_hook(lambda m, a, o: self._rec("full_end")),
+            layers[full_layers].register_forward_pre_hook(lambda m, a: self._rec("sparse0")),
+            layers[-1].register_forward_hook(lambda m, a, o: self._rec("sparse_end")),
+        ]
+
+    def start(self) -> None:
+        self.events = {}
+        self.active = True
+
+    def _rec(self, name: str) -> None:
+        if self.active:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.events[name] = e
+
+    def split_ms(self) -> dict[str, float]:
+        e = self.events
+        if "prep0" not in e:                         # the request found nothing to reuse
+            return {k: float("nan") for k in ("kv copy+rerotate", "full layers", "selection scoring (probe)",
+                                              "row selection", "sparse layers")}
+        el = lambda a, b: e[a].elapsed_time(e[b])
+        probe = el("probe0", "probe1") if "probe0" in e else 0.0
+        return {"kv copy+rerotate": el("prep0", "prep1"), "full layers": el("layer0", "full_end") - probe,
+                "selection scoring (probe)": probe, "row selection": el("full_end", "sparse0"),
+                "sparse layers": el("sparse0", "sparse_end")}
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _ttft(llm: LLM, prompt: dict, tag: str) -> tuple[float, object]:
+    eng = llm.llm_engine
+    tp = eng.tokenize(prompt)                           # host tokenisation stays outside the clock
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    eng.add_request(tag, tp, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    done = None
+    while done is None:
+        for o in eng.step():
+            if o.finished:
+                done = o
+    return time.perf_counter() - t0, done
+
+
+def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM) -> None:
+    runner = llm_sx.llm_engine.runner
+    reuse = llm_sx.config.reuse
+    cfg = runner.model_config
+    timer = BlendTimer(runner, reuse.full_layers)
+    sys_ids, rows, out = rand_ids(40), [], []
+    warm = {"sys": 0}
+    plen = SIZES["passage_len"]
+    for k in SIZES["passages"]:
+        passages = [rand_ids(plen) for _ in range(k)]
+        prompt = lambda r, q: {"segments": [sys_ids] + [passages[(i + r) % k] for i in range(k)] + [q]}
+        for llm in (llm_prefix, llm_sx):
+            llm.reset_cache()
+            _ttft(llm, prompt(0, rand_ids(48)), f"prime{k}-{id(llm)}")          # caches the passages
+        if not warm["sys"]:
+            _ttft(llm_none, prompt(0, rand_ids(48)), "warm-none")
+            warm["sys"] = 1
+        t = {"none": [], "prefix": [], "sparsex": []}
+        splits, host = [], []
+        for r in (1, 2, 3):
+            q = rand_ids(48)
+            t["none"].append(_ttft(llm_none, prompt(r, q), f"n{k}-{r}")[0])
+            t["prefix"].append(_ttft(llm_prefix, prompt(r, q), f"p{k}-{r}")[0])
+            b = runner.blender
+            c0, s0 = b.copy_seconds, b.selection_seconds
+            timer.start()
+            ts, o = _ttft(llm_sx, prompt(r, q), f"s{k}-{r}")
+            timer.active = False
+            t["sparsex"].append(ts)
+            splits.append(timer.split_ms())
+            host.append({"copy_host_ms": 1e3 * (b.copy_seconds - c0), "selection_host_ms": 1e3 * (b.selection_seconds - s0),
+                         "reused": o.num_reused_tokens, "recomputed": o.num_recomputed_tokens,
+                         "cached": o.num_cached_tokens})
+        med = {p: 1e3 * statistics.median(v) for p, v in t.items()}
+        n_tok = len(sys_ids) + plen * k + 48
+        split = {key: statistics.median([s[key] for s in splits if s[key] == s[key]] or [float("nan")])
+                 for key in splits[0]}
+        h = host[-1]
+        L, Fl = cfg.num_hidden_layers, reuse.full_layers
+        new = n_tok - h["reused"] - h["cached"]
+        floor = (Fl * (n_tok - h["cached"]) + (L - Fl) * (new + h["recomputed"])) / (L * n_tok)
+        rows.append([f"{k} x {plen} = {n_tok:,}", f"{med['none']:.1f}", f"{med['prefix']:.1f}", f"{med['sparsex']:.1f}",
+                     f"{med['sparsex'] / med['none']:.3f}", f"{floor:.3f}",
+                     " / ".join(f"{split[key]:.1f}" for key in split),
+                     f"{h['reused']:,} / {h['recomputed']:,}"])
+        out.append({"passages": k, "tokens": n_tok, "ttft_ms": med, "gpu_split_ms": split, "host": host,
+                    "token_layer_share": floor})
+        log(f"blend {k}: {out[-1]}")
+    timer.close()
+    table("Blended prefill TTFT, passages cached in another order (random weights + random token ids, "
+          "Llama-3-8B shape, bf16; full_layers=2, recompute_ratio=0.15, selector=" + reuse.selector + ")",
+          ["prompt tokens", "none ms", "prefix ms", "sparsex ms", "sparsex / none", "token-layer share",
+           "sparsex GPU split ms: copy / full layers / scoring / selection / sparse layers", "reused / recomputed"],
+          rows)
+    RESULTS["blend"] = out
+
+
+# ------------------------------------------------------------------------------ SmolLM2 (real weights)
+def section_smol() -> None:
+    from transformers import AutoModelForCausalLM
+    data = json.load(open(os.path.join(os.path.dirname(__file__), "..", "tests", "data", "smollm2_greedy_cpu.json")))
+    cases = data["cases"]
+    n_new = data["max_tokens"]
+    params = SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True)
+    llm32 = LLM(device="cuda", dtype="float32", cache="none")
+    outs = llm32.generate([{"prompt_token_ids": c["prompt_token_ids"]} for c in cases], params, use_tqdm=False)
+    gpu = [o.outputs[0].token_ids for o in outs]
+    from sparsex.models.loader import load_model
+    model_dir = load_model("smollm2-135m-instruct").model_dir
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(DEV).eval()
+    hf_tokens = []
+    with torch.inference_mode():
+        for c in cases:
+            ids = torch.tensor([c["prompt_token_ids"]], device=DEV)
+            g = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
+            hf_tokens.append(g[0, ids.shape[1]:].tolist())
+    same_cpu = sum(g == c["greedy"] for g, c in zip(gpu, cases))
+    same_hf = sum(g == h for g, h in zip(gpu, hf_tokens))
+    first_div = [next((i for i, (a, b) in enumerate(zip(g, h)) if a != b), None) for g, h in zip(gpu, hf_tokens)]
+    # bf16 vs fp32, teacher-forced on prompt + fp32 continuation: top-1 at every position
+    llm16 = LLM(device="cuda", dtype="bfloat16", cache="none")
+    tf = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    agree = total = 0
+    for c, g in zip(cases, gpu):
+        seq = {"prompt_token_ids": c["prompt_token_ids"] + g}
+        top = []
+        for llm in (llm32, llm16):
+            o = llm.generate(seq, tf, use_tqdm=False)[0]
+            top.append([max(d.items(), key=lambda kv: kv[1])[0] for d in o.prompt_logprobs[1:]])
+        agree += sum(a == b for a, b in zip(*top))
+        total += len(top[0])
+    table("SmolLM2-135M-Instruct on the GPU (real weights)",
+          ["check", "result"],
+          [["fp32 greedy == CPU path (tests/data)", f"{same_cpu}/{len(cases)} prompts, {n_new} tokens each"],
+           ["fp32 greedy == transformers (GPU, fp32)", f"{same_hf}/{len(cases)} (first divergence: {first_div})"],
+           ["bf16 teacher-forced top-1 agreement with fp32", f"{agree / total:.4f} over {total} positions"]])
+    RESULTS["smol"] = {"same_cpu": same_cpu, "same_hf": same_hf, "cases": len(cases), "first_div": first_div,
+                       "bf16_top1_agreement": agree / total, "positions": total}
+
+
+OUT = None
+
+
+def _dry_run_setup() -> None:
+    """CPU smoke run of this script's own code (tiny random model, tiny sizes, fake CUDA events)."""
+    global DEV, MODEL, MAX_LEN
+    from sparsex.models import dummy
+    shape = dict(dummy.DUMMY_SHAPES["llama3-8b"], hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=49152)
+    dummy.DUMMY_SHAPES["tiny-llama3"] = shape
+    DEV, MODEL, MAX_LEN = torch.device("cpu"), "dummy:tiny-llama3", 1024
+    SIZES.update(prefill=((64, 1, 2), (128, 1, 1)), profile=64, decode_batches=(1, 3), decode_ctx=40,
+                 passages=(4, 5), passage_len=32)
+
+    class FakeEvent:
+        def __init__(self, **kw):
+            self.t = 0.0
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1e3 * (other.t - self.t)
+    torch.cuda.Event = FakeEvent
+    torch.cuda.synchronize = lambda *a: None
+    torch.cuda.empty_cache = lambda: None
+    torch.cuda.get_device_name = lambda *a: "cpu (dry run)"
+
+
+def main() -> None:
+    global OUT
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", default="ceil,prefill,decode,blend")
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--dry-run", action="store_true", help="CPU smoke run of the script (tiny model)")
+    args = ap.parse_args()
+    if args.dry_run:
+        _dry_run_setup()
+    OUT = args.out
+    sections = args.sections.split(",")
+    log(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    _patch_dummy_tokenizer()
+    try:
+        if "smol" in sections:
+            section_smol()
+        if any(s in sections for s in ("ceil", "prefill", "decode", "blend")):
+            ceil = section_ceil()
+            llm_none = make_llm("none", 20 if DEV.type == "cuda" else 0.05)
+            hf = None
+            if "prefill" in sections or "decode" in sections:
+                hf = hf_from_ours(llm_none.llm_engine.runner.model, llm_none.llm_engine.runner.model_config)
+            if "prefill" in sections:
+                section_prefill(llm_none, hf, ceil)
+            if "decode" in sections:
+                section_decode(llm_none, hf, ceil)
+            del hf
+            torch.cuda.empty_cache()
+            if "blend" in sections:
+                llm_prefix = make_llm("prefix", 6 if DEV.type == "cuda" else 0.05, share_from=llm_none)
+                llm_sx = make_llm("sparsex", 10 if DEV.type == "cuda" else 0.05, share_from=llm_none)
+                section_blend(llm_none, llm_prefix, llm_sx)
+    finally:
+        if OUT:
+            with open(os.path.join(OUT, "gpu_engine.json"), "w") as f:
+                json.dump(RESULTS, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Cache policies the workload benchmark compares, all served by this engine on the same model.
+
+A policy is an engine cache mode plus, for ``cache="sparsex"``, per-request segment-reuse
+overrides (`LLMEngine.add_request(..., reuse=...)`). Named policies:
+
+  none        full prefill of every prompt (cache="none")
+  prefix      exact prefix caching only (cache="prefix")
+  naive       reuse every hit segment's KV as is: selector none, full_layers 0, nothing recomputed
+  epic16/32   EPIC-style: recompute only the first 16/32 tokens of each reused segment, in every
+              layer (selector boundary, boundary_tokens k, recompute_ratio 0, full_layers 0)
+  cacheblend  CacheBlend's rule: K/V deviation at layer 0, recompute 15% (kv_deviation, F=1, 0.15)
+  sparsex     the engine's defaults (`ReuseConfig()`: sparse_q, F=2, 0.15)
+
+`sweep_policies()` gives the recompute_ratio x full_layers grid for the Pareto front. The default
+selector scores tokens with a probe on layer F-1, so F=0 points use the boundary selector (the only
+rule that needs no full layer), which is said in their name.
+
+A custom policy is written ``SELECTOR:F:RATIO[:BOUNDARY]`` (e.g. ``kv_deviation:2:0.3``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from sparsex.config import SELECTORS, ReuseConfig
+
+SWEEP_RATIOS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+SWEEP_FULL_LAYERS = (0, 1, 2, 4)
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    cache: str                                # engine cache mode: "none" | "prefix" | "sparsex"
+    reuse: tuple[tuple[str, object], ...] = ()  # segment-reuse overrides (sorted items; hashable)
+    description: str = ""
+    family: str = "named"                     # "named" | "custom" | "sweep" (plots group by it)
+
+    @property
+    def overrides(self) -> dict | None:
+        """What `add_request(reuse=...)` gets: None for non-segment policies and for the defaults."""
+        if self.cache != "sparsex" or not self.reuse:
+            return None
+        return dict(self.reuse)
+
+    def knobs(self) -> ReuseConfig | None:
+        """The effective segment-reuse knobs (engine defaults + overrides), for reports."""
+        if self.cache != "sparsex":
+            return None
+        return dataclasses.replace(ReuseConfig(), **dict(self.reuse))
+
+    def full_layers(self, num_layers: int) -> int:
+        """Layers in which every uncached row is computed (all of them without segment reuse)."""
+        knobs = self.knobs()
+        return num_layers if knobs is None else knobs.full_layers
+
+
+def _sparsex(name: str, description: str, family: str = "named", **reuse) -> Policy:
+    cfg = dataclasses.replace(ReuseConfig(), **reuse)
+    cfg.verify()                    # a bad knob fails here, as a ValueError, before any model loads
+    return Policy(name, "sparsex", tuple(sorted(reuse.items())), description, family)
+
+
+def _named() -> dict[str, Policy]:
+    d = ReuseConfig()
+    return {p.name: p for p in (
+        Policy("none", "none", description="full prefill, no cache"),
+        Policy("prefix", "prefix", description="exact prefix caching"),
+        _sparsex("naive", "reuse hit segments as is, recompute nothing",
+                 selector="none", full_layers=0, recompute_ratio=0.0, boundary_tokens=0),
+        _sparsex("epic16", "recompute the first 16 tokens of each reused segment (all layers)",
+                 selector="boundary", full_layers=0, recompute_ratio=0.0, boundary_tokens=16),
+        _sparsex("epic32", "recompute the first 32 tokens of each reused segment (all layers)",
+                 selector="boundary", full_layers=0, recompute_ratio=0.0, boundary_tokens=32),
+        _sparsex("cacheblend", "K/V deviation at layer 0, recompute 15%",
+                 selector="kv_deviation", full_layers=1, recompute_ratio=0.15, boundary_tokens=0),
+        Policy("sparsex", "sparsex",
+               description=f"engine defaults: {d.selector}, F={d.full_layers}, r={d.recompute_ratio}"),
+    )}
+
+
+NAMED_POLICIES: dict[str, Policy] = _named()
+DEFAULT_POLICIES = tuple(NAMED_POLICIES)
+
+
+def _custom(spec: str) -> Policy:
+    parts = spec.split(":")
+    if len(parts) not in (3, 4):
+        raise ValueError(f"policy {spec!r}: expected a name ({', '.join(NAMED_POLICIES)}) "
+                         f"or SELECTOR:F:RATIO[:BOUNDARY]")
+    selector = parts[0]
+    if selector not in SELECTORS:
+        raise ValueError(f"policy {spec!r}: unknown selector {selector!r}; choose one of {SELECTORS}")
+    try:
+        full_layers, ratio = int(parts[1]), float(parts[2])
+        boundary = int(parts[3]) if len(parts) == 4 else 0
+    except ValueError:
+        raise ValueError(f"policy {spec!r}: F and BOUNDARY must be integers, RATIO a number") from None
+    return _sparsex(spec, f"custom: {selector}, F={full_layers}, r={ratio}, boundary={boundary}", "custom",
+                    selector=selector, full_layers=full_layers, recompute_ratio=ratio, boundary_tokens=boundary)
+
+
+def parse_policies(text: str | list[str] | tuple[str, ...]) -> list[Policy]:
+    """`none,prefix,sparsex` (or a list of names/specs) -> policies, in the given order."""
+    items = [s.strip() for s in (text.split(",") if isinstance(text, str) else text)]
+    items = [s for s in items if s]
+    if not items:
+        raise ValueError("no policies given")
+    out, seen = [], set()
+    for item in items:
+        policy = NAMED_POLICIES.get(item) or _custom(item)
+        if policy.name in seen:
+            raise ValueError(f"policy {item!r} is listed twice")
+        seen.add(policy.name)
+        out.append(policy)
+    return out
+
+
+def sweep_policies(ratios: tuple[float, ...] = SWEEP_RATIOS,
+                   full_layers: tuple[int, ...] = SWEEP_FULL_LAYERS) -> list[Policy]:
+    """The recompute_ratio x full_layers grid. F >= 1: the default selector; F = 0: boundary."""
+    default = ReuseConfig().selector
+    out = []
+    for f in full_layers:
+        selector = default if f >= 1 else "boundary"
+        for r in ratios:
+            out.append(_sparsex(f"sweep-{selector}-F{f}-r{r:g}",
+                                f"sweep: {selector}, F={f}, r={r:g}", "sweep",
+                                selector=selector, full_layers=f, recompute_ratio=r, boundary_tokens=0))
+    return out

@@ -1,0 +1,92 @@
+"""The engine on CUDA (skipped without a GPU): SmolLM2 fp32 greedy tokens equal transformers' and the
+CPU path's; CUDA-graph decode gives the eager tokens; every cache policy runs and keeps the block
+pool consistent. Timings live in benchmarks/gpu_engine.py, not here."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from sparsex import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "smollm2_greedy_cpu.json")
+
+
+@pytest.fixture(scope="module")
+def cpu_greedy() -> dict:
+    with open(DATA) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def gpu_llm():
+    return LLM(device="cuda", dtype="float32", cache="prefix", seed=0)
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_fp32_greedy_matches_cpu_path_and_transformers(gpu_llm, cpu_greedy):
+    from transformers import AutoModelForCausalLM
+    from sparsex.models.loader import load_model
+
+    cases, n = cpu_greedy["cases"], cpu_greedy["max_tokens"]
+    got = _greedy(gpu_llm, [c["prompt_token_ids"] for c in cases], n)
+    assert got == [c["greedy"] for c in cases]
+    hf = AutoModelForCausalLM.from_pretrained(load_model("smollm2-135m-instruct").model_dir, dtype=torch.float32)
+    hf = hf.to("cuda").eval()
+    with torch.inference_mode():
+        for c, g in zip(cases, got):
+            ids = torch.tensor([c["prompt_token_ids"]], device="cuda")
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+            assert g == ref, f"prompt of {ids.shape[1]} tokens diverges from transformers"
+    gpu_llm.llm_engine.check_integrity()
+
+
+def test_cuda_graph_decode_matches_eager(gpu_llm, cpu_greedy):
+    runner = gpu_llm.llm_engine.runner
+    prompts = [c["prompt_token_ids"] for c in cpu_greedy["cases"]]
+    for batch in (prompts[:1], prompts[:3], prompts):          # graph sizes 1, 4 (padded), 8 (padded)
+        gpu_llm.reset_cache()
+        runner.enforce_eager = True
+        eager = _greedy(gpu_llm, batch, 20)
+        gpu_llm.reset_cache()
+        runner.enforce_eager = False
+        graphed = _greedy(gpu_llm, batch, 20)
+        assert graphed == eager
+    assert runner.decode_graphs is not None and len(runner.decode_graphs.graphs) > 0
+    gpu_llm.llm_engine.check_integrity()
+
+
+def test_sampled_decode_with_graphs_is_seeded(gpu_llm, cpu_greedy):
+    p = cpu_greedy["cases"][2]["prompt_token_ids"]
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=12, seed=7, logprobs=2)
+    a, b = (gpu_llm.generate([{"prompt_token_ids": p}] * 2, params, use_tqdm=False) for _ in range(2))
+    toks = lambda outs: [o.outputs[0].token_ids for o in outs]
+    assert toks(a) == toks(b)
+    assert all(len(lp) >= 1 for lp in a[0].outputs[0].logprobs)
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "sparsex"])
+def test_every_cache_policy_runs(cache, cpu_greedy):
+    llm = LLM(device="cuda", dtype="float32", cache=cache, seed=0, kv_cache_memory=1 << 28)
+    long = cpu_greedy["cases"][-1]["prompt_token_ids"]
+    sys_ids, question = long[:24], long[-40:]
+    passages = [long[24 + i * 160: 24 + (i + 1) * 160] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first = llm.generate({"segments": [sys_ids, *passages, question]}, params, use_tqdm=False)[0]
+    # the same passages in another order, two requests at once (a batch of two decodes)
+    again = [{"segments": [sys_ids, *passages[r:], *passages[:r], question]} for r in (1, 2)]
+    outs = llm.generate(again, params, use_tqdm=False)
+    assert len(first.outputs[0].token_ids) == 8 and all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    if cache == "sparsex":
+        assert all(o.num_reused_tokens > 0 for o in outs)
+    llm.llm_engine.check_integrity()
