@@ -206,7 +206,9 @@ def kernel_split(prof) -> dict[str, float]:
         k = e.key.lower()
         if any(s in k for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul")):
             family = "gemm"
-        elif any(s in k for s in ("prefill_kernel", "flash", "fmha", "attention", "decode_kernel")):
+        elif any(s in k for s in ("gemv",)):
+            family = "gemm"
+        elif any(s in k for s in ("prefill_kernel", "flash", "fmha", "attention", "decode_kernel", "decode_merge")):
             family = "attention"
         elif "store_kv" in k:
             family = "kv store"
@@ -247,7 +249,8 @@ def section_prefill(llm: LLM, hf, ceil: dict) -> None:
             ours = lambda: model.compute_logits(model(ids, md.positions, ctx)[-1:])
             ours_sdpa = lambda: model.compute_logits(model(ids, md.positions, ctx_sdpa)[-1:])
             theirs = lambda: hf(input_ids=ids[None], use_cache=False, logits_to_keep=1).logits[0]
-            err = ((ours().float() - theirs().float()).norm() / theirs().float().norm()).item()
+            rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
+            err, err_diag = rel(ours(), theirs()), rel(ours(), ours_sdpa())
             t_ours = cuda_ms(ours, warm, reps)
             t_hf = cuda_ms(theirs, warm, reps)
             t_sdpa = cuda_ms(ours_sdpa, warm, reps)
@@ -256,8 +259,10 @@ def section_prefill(llm: LLM, hf, ceil: dict) -> None:
         rows.append([f"{n:,}", f"{t_ours:.1f} ms", f"{t_hf:.1f} ms", f"{t_ours / t_hf:.3f}", f"{mfu(t_ours):.2f}",
                      f"{mfu(t_hf):.2f}", f"{t_sdpa:.1f} ms", f"{err:.1e}"])
         out.append({"tokens": n, "ours_ms": t_ours, "hf_ms": t_hf, "ours_sdpa_diag_ms": t_sdpa, "tflop": fl / 1e12,
-                    "mfu_ours": mfu(t_ours), "mfu_hf": mfu(t_hf), "rel_err_last_logits": err})
-        log(f"prefill {n}: ours {t_ours:.1f} ms, hf {t_hf:.1f} ms, ours+sdpa {t_sdpa:.1f} ms, err {err:.1e}")
+                    "mfu_ours": mfu(t_ours), "mfu_hf": mfu(t_hf), "rel_err_last_logits": err,
+                    "rel_err_vs_sdpa_diag": err_diag})
+        log(f"prefill {n}: ours {t_ours:.1f} ms, hf {t_hf:.1f} ms, ours+sdpa {t_sdpa:.1f} ms, err {err:.1e} "
+            f"(ours vs ours-with-SDPA-attention {err_diag:.1e})")
     table("Full prefill, one sequence (random weights, Llama-3-8B shape, bf16)",
           ["tokens", "SparseX forward (Triton)", "transformers SDPA", "ours / HF", "MFU ours", "MFU HF",
            "diag: ours with SDPA attention", "rel. err. last logits"], rows)
@@ -383,6 +388,74 @@ def section_decode(llm: LLM, hf, ceil: dict) -> None:
            "HBM floor", "fraction of floor"], rows)
     log(f"\ntransformers `generate` at batch 1 (2k prompt, its prefill subtracted): {gen_b1:.1f} tok/s")
     RESULTS["decode"] = {"rows": out, "hf_generate_b1_tok_s": gen_b1, "weight_gb": weight_bytes / 1e9}
+
+
+def section_decode_profile(llm: LLM, ceil: dict) -> None:
+    """Where a graphed decode step's time goes: engine host work, runner host work, GPU (replay)."""
+    from torch.profiler import ProfilerActivity, profile
+    eng = llm.llm_engine
+    runner = eng.runner
+    ctx_len = SIZES["decode_ctx"]
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters()
+                       if not n.startswith("embed_tokens"))
+    kv_per_token = runner.bytes_per_block() // runner.block_size
+    rows, out = [], []
+    for batch in (1, 64) if DEV.type == "cuda" else (1, 3):
+        params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+        rids = [f"prof{batch}-{i}" for i in range(batch)]
+        for rid in rids:
+            eng.add_request(rid, {"prompt_token_ids": rand_ids(ctx_len)}, params)
+        reqs = [eng.requests[r] for r in rids]
+        while any(not r.output_token_ids for r in reqs):
+            eng.step()
+        for _ in range(4):
+            eng.step()
+        exec_s = []
+        execute = runner.execute
+
+        def timed(sched):
+            t0 = time.perf_counter()
+            r = execute(sched)
+            exec_s.append(time.perf_counter() - t0)
+            return r
+        runner.execute = timed
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        steps = 16
+        for _ in range(steps):
+            eng.step()
+        step_ms = 1e3 * (time.perf_counter() - t0) / steps
+        del runner.execute
+        exec_ms = 1e3 * statistics.median(exec_s)
+        graphs = runner.decode_graphs
+        if graphs is not None:
+            g = graphs.graphs[next(b for b in graphs.sizes if b >= batch)]
+            replay_ms = cuda_ms(g.replay, 3, 20)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    g.replay()
+                torch.cuda.synchronize()
+            split = {k: v / 5 for k, v in kernel_split(prof).items()}
+            if OUT:
+                try:
+                    text = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)
+                except Exception as exc:
+                    text = f"table failed: {exc!r}"
+                with open(os.path.join(OUT, f"profile_decode_b{batch}.txt"), "w") as f:
+                    f.write(text)
+        else:
+            replay_ms, split = float("nan"), {}
+        eng.abort_request(rids)
+        floor_ms = 1e3 * (weight_bytes + batch * (ctx_len + 30) * kv_per_token) / (ceil["tbps"] * 1e12)
+        rows.append([batch, f"{step_ms:.2f}", f"{exec_ms:.2f}", f"{step_ms - exec_ms:.2f}", f"{replay_ms:.2f}",
+                     f"{floor_ms:.2f}", " / ".join(f"{v:.2f}" for v in split.values())])
+        out.append({"batch": batch, "step_ms": step_ms, "execute_ms": exec_ms, "replay_gpu_ms": replay_ms,
+                    "floor_ms": floor_ms, "split_ms": split})
+        log(f"decode profile b{batch}: {out[-1]}")
+    table("Graphed decode step, 2k context: where the time goes (random weights, Llama-3-8B shape, bf16)",
+          ["batch", "engine step ms (wall)", "runner.execute ms", "engine outside runner ms", "graph replay GPU ms",
+           "HBM floor ms", "replay kernels: gemm / attention / kv store / other ms"], rows)
+    RESULTS["decode_profile"] = out
 
 
 class BlendTimer:
@@ -598,7 +671,7 @@ def main() -> None:
     try:
         if "smol" in sections:
             section_smol()
-        if any(s in sections for s in ("ceil", "prefill", "decode", "blend")):
+        if any(s in sections for s in ("ceil", "prefill", "decode", "decodeprof", "blend")):
             ceil = section_ceil()
             llm_none = make_llm("none", 20 if DEV.type == "cuda" else 0.05)
             hf = None
@@ -608,6 +681,8 @@ def main() -> None:
                 section_prefill(llm_none, hf, ceil)
             if "decode" in sections:
                 section_decode(llm_none, hf, ceil)
+            if "decodeprof" in sections:
+                section_decode_profile(llm_none, ceil)
             del hf
             torch.cuda.empty_cache()
             if "blend" in sections:

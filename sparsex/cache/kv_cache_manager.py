@@ -95,9 +95,6 @@ class KVCacheManager:
             self.pool.cache_block(block, req.block_hashes[i], parent)
             parent = block
 
-    def slot(self, req: Request, position: int) -> int:
-        return req.blocks[position // self.block_size].block_id * self.block_size + position % self.block_size
-
     @property
     def usage(self) -> float:
         """Fraction of blocks held by requests or segment entries."""

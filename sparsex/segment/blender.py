@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from sparsex.cache.kv_cache_manager import KVCacheManager
@@ -61,6 +62,7 @@ class _SeqBlend:
     reused_pos: torch.Tensor           # [R] absolute positions
     offsets: torch.Tensor              # [R] offset inside its segment
     seg_lo: torch.Tensor               # [R] position where its segment starts
+    num_segments: int = 1
     scores: torch.Tensor | None = None
     selected: int = 0
 
@@ -126,6 +128,7 @@ class Blender:
         md = ctx.attn_metadata
         cu = md.cu_seqlens_q_cpu
         dev = md.positions.device
+        bs = self.block_size
         src, dst, delta = [], [], []
         self._seqs = []
         t0 = time.perf_counter()
@@ -135,19 +138,23 @@ class Blender:
                 continue
             req = s.request
             row0, pos0 = cu[si], req.num_computed_tokens
+            table = np.fromiter((b.block_id for b in req.blocks), dtype=np.int64, count=len(req.blocks))
             rows, pos, offs, lo = [], [], [], []
             for span, entry in plan.hits:
                 n = span.end - span.start
-                src.extend(entry.slots())
-                dst.extend(self.kv.slot(req, p) for p in range(span.start, span.end))
-                delta.extend([span.start - entry.start_pos] * n)
-                rows.extend(range(row0 + span.start - pos0, row0 + span.end - pos0))
-                pos.extend(range(span.start, span.end))
-                offs.extend(range(n))
-                lo.extend([span.start] * n)
-            t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)
-            self._seqs.append(_SeqBlend(req, plan.reuse, t(rows), t(pos), t(offs), t(lo)))
-        src_t, dst_t, delta_t = (torch.tensor(x, dtype=torch.int64, device=dev) for x in (src, dst, delta))
+                ep = np.arange(entry.start_pos, entry.start_pos + n)                  # where it was computed
+                eb = np.fromiter((b.block_id for b in entry.blocks), dtype=np.int64, count=len(entry.blocks))
+                src.append(eb[ep // bs - entry.start_pos // bs] * bs + ep % bs)
+                rp = np.arange(span.start, span.end)                                    # where it goes now
+                dst.append(table[rp // bs] * bs + rp % bs)
+                delta.append(np.full(n, span.start - entry.start_pos))
+                rows.append(rp - pos0 + row0)
+                pos.append(rp)
+                offs.append(np.arange(n))
+                lo.append(np.full(n, span.start))
+            t = lambda x: torch.from_numpy(np.concatenate(x)).to(dev)
+            self._seqs.append(_SeqBlend(req, plan.reuse, t(rows), t(pos), t(offs), t(lo), num_segments=len(plan.hits)))
+        src_t, dst_t, delta_t = (torch.from_numpy(np.concatenate(x)).to(dev) for x in (src, dst, delta))
         inv_freq = self.model.rotary.inv_freq
         copy = _copy_fn(dev)
         for k_cache, v_cache in ctx.kv_caches:
@@ -241,7 +248,7 @@ class Blender:
                     scores = b.scores.float().cpu()
                 keep_mask = torch.zeros(n, dtype=torch.bool)
                 if r.selector == "sparse_q" and self.boundary_share > 0 and k > 0:
-                    keep_mask |= _boundary_budget(b.offsets.cpu(), b.seg_lo.cpu(), int(round(self.boundary_share * k)))
+                    keep_mask |= _boundary_budget(b.offsets.cpu(), b.num_segments, int(round(self.boundary_share * k)))
                     k -= int(keep_mask.sum())
                     scores = scores.masked_fill(keep_mask, float("-inf"))
                 if k > 0:
@@ -294,9 +301,8 @@ class _RowSelector:
         return self.blender.select(layer_idx, ctx)
 
 
-def _boundary_budget(offsets: torch.Tensor, seg_lo: torch.Tensor, budget: int) -> torch.Tensor:
+def _boundary_budget(offsets: torch.Tensor, num_segments: int, budget: int) -> torch.Tensor:
     """The first tokens of every reused segment, spread evenly, about `budget` rows in all."""
-    num_segments = int(torch.unique(seg_lo).numel())
     per_segment = max(1, budget // max(1, num_segments))
     return offsets < per_segment
 

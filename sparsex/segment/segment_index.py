@@ -39,15 +39,6 @@ class SegmentEntry:
     def __len__(self) -> int:
         return len(self.tokens) // 4
 
-    def slot(self, i: int) -> int:
-        """Cache slot of the entry's i-th token."""
-        p = self.start_pos + i
-        first_block = self.start_pos // self.block_size
-        return self.blocks[p // self.block_size - first_block].block_id * self.block_size + p % self.block_size
-
-    def slots(self) -> list[int]:
-        return [self.slot(i) for i in range(len(self))]
-
 
 class SegmentIndex:
     def __init__(self, pool: BlockPool, block_size: int, policy: str = "lru"):
