@@ -134,7 +134,11 @@ def ttft_table(args) -> list:
     rows = []
     sx = engines["sparsex"]
     sel0, copy0 = sx.runner.blender.selection_seconds, sx.runner.blender.copy_seconds
-    res = {c: [run_to_completion(eng, ev, one)[0] for ev, _ in pairs] for c, eng in engines.items()}
+    # interleaved per query, so a change in machine load hits every policy alike
+    res = {c: [] for c in engines}
+    for ev, _ in pairs:
+        for c, eng in engines.items():
+            res[c].append(run_to_completion(eng, ev, one)[0])
     sel = (sx.runner.blender.selection_seconds - sel0) / len(pairs)
     copy = (sx.runner.blender.copy_seconds - copy0) / len(pairs)
     base = statistics.mean(o.metrics.ttft for o in res["none"])
