@@ -2,7 +2,7 @@
 
     sparsex generate PROMPT [--model M] [--max-tokens N] [--temperature T] [--cache C] [--dtype D] [--chat]
     sparsex demo [--model M] [--cache C] [--quick] [--no-compare]
-    sparsex bench throughput [--num-prompts N] [--input-len N] [--output-len N] [--dtype D]
+    sparsex bench throughput [--num-prompts N] [--input-len N] [--output-len N] [--repeats N] [--dtype D]
     sparsex bench prefill [--lengths 512,1024,...] [--repeats N] [--plot PATH]
     sparsex bench serve ...      (when sparsex.bench.serve_bench is installed)
     sparsex serve ...            (when sparsex.entrypoints.serve_cli is installed)
@@ -111,6 +111,8 @@ def _add_bench(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=positive_int, default=8)
     p.add_argument("--input-len", type=positive_int, default=256)
     p.add_argument("--output-len", type=positive_int, default=128)
+    p.add_argument("--repeats", type=positive_int, default=1,
+                   help="alternating runs per backend; the median is reported (default 1)")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
@@ -263,7 +265,8 @@ def _run_bench_throughput(args: argparse.Namespace) -> int:
     resolve_model_name(args.model)
     _bench_header(args)
     cfg = ThroughputConfig(model=args.model, num_prompts=args.num_prompts, input_len=args.input_len,
-                           output_len=args.output_len, dtype=args.dtype, seed=args.seed, hf=not args.no_hf)
+                           output_len=args.output_len, repeats=args.repeats, dtype=args.dtype, seed=args.seed,
+                           hf=not args.no_hf)
     print(format_table(run_throughput(cfg)))
     return 0
 
@@ -283,8 +286,9 @@ def _run_bench_prefill(args: argparse.Namespace) -> int:
     points = run_prefill(cfg)
     print(format_table(points))
     if args.plot:
+        # the load average goes in the title: on a shared machine it explains the absolute numbers
         title = (f"cold prefill, {args.model} {args.dtype}, {torch.get_num_threads()} threads, "
-                 f"{os.cpu_count()} cores, median of {args.repeats}")
+                 f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, median of {args.repeats}")
         save_plot(points, args.plot, title)
         print(f"plot: {args.plot}")
     return 0

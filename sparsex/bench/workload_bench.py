@@ -77,9 +77,11 @@ class WorkloadParams:
     users: int = 4                       # chat
     turns: int = 4                       # chat: turns per user
     context_budget: int = 1024           # chat: prompt token budget (oldest exchanges dropped)
+    num_topics: int = 200                # chat: topic pool (Zipf popularity over it)
     sessions: int = 4                    # agent
     results_per_call: int = 3            # agent: search results per tool call
     num_docs: int = 300                  # agent: search-result corpus
+    tool_apis: tuple[str, ...] = ("web_search", "math_api")   # agent: BFCL apis in the system prompt
     zipf_a: float = 1.1
     seed: int = 0
 
@@ -110,7 +112,7 @@ class WorkloadBenchConfig:
         if self.num_blocks is not None:
             _positive("num_blocks", self.num_blocks)
         p = self.params
-        for name in ("queries", "k", "num_passages", "users", "turns", "context_budget", "sessions",
+        for name in ("queries", "k", "num_passages", "users", "turns", "context_budget", "num_topics", "sessions",
                      "results_per_call", "num_docs"):
             _positive(name, getattr(p, name))
         lo, hi = p.passage_tokens
@@ -351,9 +353,11 @@ def build_workload(cfg: WorkloadBenchConfig, tokenizer: Any) -> list[Request]:
                                       max_passage_tokens=p.passage_tokens[1])
     if cfg.workload == "chat":
         return workloads.chat_workload(tokenizer, num_users=p.users, turns_per_user=p.turns,
-                                       context_budget=p.context_budget, zipf_a=p.zipf_a, seed=p.seed)
-    return workloads.agent_workload(tokenizer, num_sessions=p.sessions, results_per_call=p.results_per_call,
-                                    num_docs=p.num_docs, zipf_a=p.zipf_a, seed=p.seed)
+                                       context_budget=p.context_budget, num_topics=p.num_topics, zipf_a=p.zipf_a,
+                                       seed=p.seed)
+    return workloads.agent_workload(tokenizer, num_sessions=p.sessions, tool_apis=p.tool_apis,
+                                    results_per_call=p.results_per_call, num_docs=p.num_docs, zipf_a=p.zipf_a,
+                                    seed=p.seed)
 
 
 @dataclass
@@ -523,6 +527,16 @@ def _teacher_forcing_prompt(prompt: TokenizedPrompt) -> TokenizedPrompt:
     return dataclasses.replace(prompt, segments=[s for s in prompt.segments if s.end < n])
 
 
+def _tokenized_workload(engines: EngineCache, make) -> tuple[list, list, FlopModel, int]:
+    """(requests, prompts, FlopModel, block size) from a one-block engine: only its tokenizer and the
+    model's shape are needed, and the KV pools are sized from the prompts."""
+    from sparsex.bench.fidelity import pieces_prompt
+    probe, _ = engines.take("none", "timed", 1, warm=False)
+    requests = make(probe.tokenizer)
+    prompts = [pieces_prompt(probe, r.segments, [True] * len(r.segments)) for r in requests]
+    return requests, prompts, FlopModel.from_config(probe.model_config), probe.config.block_size
+
+
 def _pool_blocks(prompts: list[TokenizedPrompt], extra: int, block_size: int, whole: bool) -> int:
     """KV blocks for the workload: all of it (nothing ever evicted) or just the largest request."""
     sizes = [-(-(len(p.token_ids) + extra) // block_size) for p in prompts]
@@ -532,7 +546,6 @@ def _pool_blocks(prompts: list[TokenizedPrompt], extra: int, block_size: int, wh
 def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = None) -> list[PolicySummary]:
     """Replay the workload under every policy; write records, summaries and plots. `engines`: reuse
     engines across calls (tests); by default each cache mode's engines are dropped after use."""
-    from sparsex.bench.fidelity import pieces_prompt
     from sparsex.bench.policies import parse_policies, sweep_policies
 
     cfg.verify()
@@ -544,26 +557,21 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
     env = environment(cfg.model, cfg.dtype)
     t_start = time.time()
 
-    # the full-prefill engine: tokenizer, reference, `none` policy
-    # a tiny engine only for the tokenizer and the model's shape: the pools are sized from the prompts
-    probe, _ = engines.take("none", "timed", 1, warm=False)
-    bs = probe.config.block_size
-    requests = build_workload(cfg, probe.tokenizer)
-    prompts = [pieces_prompt(probe, r.segments, [True] * len(r.segments)) for r in requests]
-    flops = FlopModel.from_config(probe.model_config)
+    requests, prompts, flops, bs = _tokenized_workload(engines, lambda tok: build_workload(cfg, tok))
+    if own:
+        engines.release("none")
     every = cfg.fidelity_every
     fid = [every > 0 and i % every == 0 for i in range(len(requests))]
     extra = cfg.fidelity_tokens + cfg.answer_tokens + 1
     ref_blocks = _pool_blocks(prompts, extra, bs, whole=False)
-    if own:
-        engines.release("none")
-    ref_engine, _ = engines.take("none", "timed", max(ref_blocks, cfg.num_blocks or 0))
     need_ref = any(fid) or cfg.workload == "rag" or any(p.name == "none" for p in policies)
     refs, records = None, []
     if need_ref:
+        ref_engine, _ = engines.take("none", "timed", max(ref_blocks, cfg.num_blocks or 0))
         refs, none_records = replay_reference(cfg, ref_engine, requests, prompts, fid, flops,
                                               keep=any(p.name == "none" for p in policies))
         records += none_records
+        del ref_engine               # no reference may outlive `release`, or the engine stays in memory
     if own:
         engines.release("none")
 
@@ -574,6 +582,7 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
             timed, plans = engines.take(cache, "timed", num_blocks)
             twin = engines.take(cache, "twin", num_blocks)[0] if any(fid) else None
             records += replay_policy(cfg, policy, timed, plans, twin, requests, prompts, refs, fid, flops)
+            del timed, plans, twin
         if own:
             engines.release(cache)
 
@@ -587,9 +596,9 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
     env.update(wall_seconds=round(time.time() - t_start, 1), load_avg_end=_loadavg(), num_blocks=num_blocks,
                num_requests=len(requests), fidelity_requests=sum(fid))
     write_outputs(cfg.out, cfg, policies, records, summaries, env)
-    plot_dir = cfg.plot_dir or cfg.out
-    plot_pareto(summaries, os.path.join(plot_dir, f"workload_{cfg.workload}_pareto.png"), cfg, env)
-    plot_ttft_cdf(records, policies, os.path.join(plot_dir, f"workload_{cfg.workload}_ttft_cdf.png"), cfg, env)
+    stem = os.path.join(cfg.plot_dir or cfg.out, f"workload_{cfg.workload}{'_sweep' if cfg.sweep else ''}")
+    plot_pareto(summaries, stem + "_pareto.png", cfg, env)
+    plot_ttft_cdf(records, policies, stem + "_ttft_cdf.png", cfg, env)
     return summaries
 
 
@@ -733,6 +742,8 @@ def _pareto(points: list[tuple[float, float]], better_low: bool) -> list[tuple[f
 
 
 def plot_pareto(summaries: list[PolicySummary], path: str, cfg: WorkloadBenchConfig, env: dict) -> None:
+    """Fidelity (KL, top-1) against mean TTFT and, because TTFT on a shared CPU is noisy, against
+    the deterministic prefill compute share too; grey steps: the Pareto front of all points."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -740,26 +751,36 @@ def plot_pareto(summaries: list[PolicySummary], path: str, cfg: WorkloadBenchCon
     if not pts:
         return
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    for ax, metric, low, label in ((axes[0], "kl", True, "mean KL(full prefill || policy), nats"),
-                                   (axes[1], "top1", False, "top-1 agreement with full prefill")):
-        front = _pareto([(s.ttft_mean_ms, getattr(s, metric)) for s in pts], low)
-        ax.step([x for x, _ in front], [y for _, y in front], where="post", color="0.6", lw=1, zorder=1,
-                label="Pareto front")
-        sweep = [s for s in pts if s.family == "sweep"]
-        if sweep:
-            sc = ax.scatter([s.ttft_mean_ms for s in sweep], [getattr(s, metric) for s in sweep],
-                            c=[_sweep_f(s.policy) for s in sweep], cmap="viridis", s=22, zorder=2, alpha=0.8)
-            fig.colorbar(sc, ax=ax, label="sweep: full layers F")
-        for s in (s for s in pts if s.family != "sweep"):
-            ax.scatter(s.ttft_mean_ms, getattr(s, metric), s=60, marker="D", zorder=3, label=s.policy)
-        ax.set_xlabel("mean TTFT (ms)")
-        ax.set_ylabel(label)
-        if low:
-            ax.set_yscale("symlog", linthresh=1e-3)
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7, loc="lower right")
-    fig.suptitle(f"{cfg.workload}: fidelity vs TTFT ({env['num_requests']} requests, {env['model']} {env['dtype']}, "
+    named = [s for s in pts if s.family != "sweep"]
+    sweep = [s for s in pts if s.family == "sweep"]
+    colors = {s.policy: plt.cm.tab10(j % 10) for j, s in enumerate(named)}
+    f_values = sorted({_sweep_f(s.policy) for s in sweep})
+    f_colors = {f: plt.cm.viridis(j / max(1, len(f_values) - 1)) for j, f in enumerate(f_values)}
+    xs = (("ttft_mean_ms", 1.0, "mean TTFT (ms)"), ("compute_share", 100.0, "prefill compute (% of full prefill)"))
+    ys = (("kl", True, "mean KL(full || policy), nats"), ("top1", False, "top-1 agreement with full prefill"))
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+    for row, (ykey, low, ylabel) in enumerate(ys):
+        for col, (xkey, xscale, xlabel) in enumerate(xs):
+            ax = axes[row][col]
+            front = _pareto([(getattr(s, xkey) * xscale, getattr(s, ykey)) for s in pts], low)
+            ax.step([x for x, _ in front], [y for _, y in front], where="post", color="0.6", lw=1, zorder=1,
+                    label="Pareto front")
+            for f in f_values:
+                group = [s for s in sweep if _sweep_f(s.policy) == f]
+                ax.scatter([getattr(s, xkey) * xscale for s in group], [getattr(s, ykey) for s in group],
+                           color=f_colors[f], s=20, zorder=2, alpha=0.85,
+                           label=f"sweep F={f} ({'boundary' if f == 0 else 'default selector'})")
+            for s in named:
+                ax.scatter(getattr(s, xkey) * xscale, getattr(s, ykey), color=colors[s.policy], s=70, marker="D",
+                           edgecolor="black", lw=0.5, zorder=3, label=s.policy)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            if low:
+                ax.set_yscale("symlog", linthresh=1e-3)
+            ax.grid(alpha=0.3)
+    axes[0][1].legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"{cfg.workload}: fidelity vs TTFT and prefill compute ({env['num_requests']} requests, "
+                 f"{cfg.fidelity_tokens} teacher-forced tokens each; {env['model']} {env['dtype']}, "
                  f"{env['torch_threads']} thread(s), shared {env['cores']}-core CPU)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -830,21 +851,24 @@ class StreamSummary:
 
 
 def run_stream(cfg: StreamConfig) -> list[StreamSummary]:
-    from sparsex.bench.fidelity import pieces_prompt, run_to_completion
+    from sparsex.bench.fidelity import run_to_completion
     from sparsex.bench.workloads import build_passages, rag_workload
     from sparsex.sampling_params import SamplingParams
 
     cfg.verify()
     env = environment(cfg.model, cfg.dtype)
     engines = EngineCache(cfg.model, cfg.dtype)
-    probe, _ = engines.take("none", "timed", 1, warm=False)
-    tok, bs = probe.tokenizer, probe.config.block_size
     lo, hi = cfg.passage_tokens
-    requests = rag_workload(tok, num_queries=cfg.queries, k=cfg.k, num_passages=cfg.num_passages, zipf_a=cfg.zipf_a,
-                            seed=cfg.seed, min_passage_tokens=lo, max_passage_tokens=hi)
-    prompts = [pieces_prompt(probe, r.segments, [True] * len(r.segments)) for r in requests]
+    toks = []
+
+    def make(tok):
+        toks.append(tok)
+        return rag_workload(tok, num_queries=cfg.queries, k=cfg.k, num_passages=cfg.num_passages,
+                            zipf_a=cfg.zipf_a, seed=cfg.seed, min_passage_tokens=lo, max_passage_tokens=hi)
+
+    _, prompts, _, bs = _tokenized_workload(engines, make)
     engines.release()
-    corpus = sum(p.num_tokens for p in build_passages(tok, cfg.num_passages, lo, hi))
+    corpus = sum(p.num_tokens for p in build_passages(toks[0], cfg.num_passages, lo, hi))
     num_blocks = max(1, round(cfg.kv_fraction * corpus / bs))
     # A blended prefill holds its own blocks plus the (locked) entries it copies from.
     need = 2 * max(-(-(len(p.token_ids) + cfg.max_tokens) // bs) for p in prompts) + 1
@@ -872,6 +896,7 @@ def run_stream(cfg: StreamConfig) -> list[StreamSummary]:
                                          engine.segment_index.num_evicted - evi0,
                                          engine.stats().num_preemptions - pre0))
         records += recs
+        del engine                   # before `release`: the next engine must not coexist with this one
         engines.release()
     env.update(load_avg_end=_loadavg(), num_blocks=num_blocks, corpus_tokens=corpus)
     os.makedirs(cfg.out, exist_ok=True)
@@ -1004,9 +1029,11 @@ def add_workload_bench_parser(subparsers: argparse._SubParsersAction) -> argpars
     g.add_argument("--users", type=int, default=d.users, help="chat users")
     g.add_argument("--turns", type=int, default=d.turns, help="chat turns per user")
     g.add_argument("--context-budget", type=int, default=d.context_budget, help="chat prompt budget (tokens)")
+    g.add_argument("--num-topics", type=int, default=d.num_topics, help="chat topic pool")
     g.add_argument("--sessions", type=int, default=d.sessions, help="agent sessions")
     g.add_argument("--results-per-call", type=int, default=d.results_per_call, help="agent search results per call")
     g.add_argument("--num-docs", type=int, default=d.num_docs, help="agent search-result corpus")
+    g.add_argument("--tool-apis", default=",".join(d.tool_apis), help="agent: BFCL apis whose docs form the system prompt")
     g.add_argument("--zipf-a", type=float, default=d.zipf_a)
     g.add_argument("--seed", type=int, default=d.seed)
     g = p.add_argument_group("stream")
@@ -1051,8 +1078,9 @@ def run_workload_bench_cli(args: argparse.Namespace) -> int:
     params = WorkloadParams(
         queries=_pick(args.queries, d.queries), k=_pick(args.k, d.k), num_passages=_pick(args.num_passages, d.num_passages),
         passage_tokens=_pick(args.passage_tokens, d.passage_tokens), users=args.users, turns=args.turns,
-        context_budget=args.context_budget, sessions=args.sessions, results_per_call=args.results_per_call,
-        num_docs=args.num_docs, zipf_a=args.zipf_a, seed=args.seed)
+        context_budget=args.context_budget, num_topics=args.num_topics, sessions=args.sessions,
+        results_per_call=args.results_per_call, num_docs=args.num_docs,
+        tool_apis=tuple(a.strip() for a in args.tool_apis.split(",") if a.strip()), zipf_a=args.zipf_a, seed=args.seed)
     cfg = WorkloadBenchConfig(workload=args.workload, policies=args.policies, sweep=args.sweep, model=args.model,
                               dtype=args.dtype, params=params, fidelity_tokens=args.fidelity_tokens,
                               fidelity_every=args.fidelity_every, answer_tokens=args.answer_tokens,

