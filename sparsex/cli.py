@@ -287,8 +287,8 @@ def _run_bench_prefill(args: argparse.Namespace) -> int:
     print(format_table(points))
     if args.plot:
         # the load average goes in the title: on a shared machine it explains the absolute numbers
-        title = (f"cold prefill, {args.model} {args.dtype}, {torch.get_num_threads()} threads, "
-                 f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, median of {args.repeats}")
+        title = (f"cold prefill, {args.model} {args.dtype}, median of {args.repeats}\n"
+                 f"{torch.get_num_threads()} threads, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
         save_plot(points, args.plot, title)
         print(f"plot: {args.plot}")
     return 0
