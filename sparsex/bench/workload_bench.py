@@ -186,6 +186,7 @@ class RequestRecord:
     f1: float | None = None
     em: float | None = None
     twin_match: bool | None = None  # the twin engine planned the same cached/reused/recomputed counts
+    twin_counts: tuple[int, int, int] | None = None   # the twin's (cached, reused, recomputed)
 
 
 @dataclass
@@ -506,6 +507,7 @@ def replay_policy(cfg: WorkloadBenchConfig, policy: Policy, timed: LLMEngine, pl
             else:
                 o, _ = run_to_completion(twin, prompt, SamplingParams(temperature=0, max_tokens=1), reuse=reuse)
                 counts = (o.num_cached_tokens, o.num_reused_tokens, o.num_recomputed_tokens)
+            rec.twin_counts = counts
             rec.twin_match = counts == (cached, reused, rec_n)
         records.append(rec)
     timed.check_integrity()
@@ -575,7 +577,13 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
     if own:
         engines.release("none")
 
-    num_blocks = cfg.num_blocks or min(_pool_blocks(prompts, extra, bs, whole=True), _MAX_AUTO_BLOCKS)
+    whole = _pool_blocks(prompts, extra, bs, whole=True)
+    num_blocks = cfg.num_blocks or min(whole, _MAX_AUTO_BLOCKS)
+    if num_blocks < whole:
+        # then cached blocks get evicted, and the twin (which holds a few more blocks per request)
+        # may evict different ones: its counters can then differ (`twin_match`)
+        print(f"note: KV pool of {num_blocks} blocks < the {whole} the whole workload would occupy: "
+              f"caches will evict", file=sys.stderr)
     for cache in ("prefix", "sparsex"):
         group = [p for p in policies if p.cache == cache]
         for policy in group:
@@ -594,7 +602,7 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
     for s in summaries:
         s.ttft_speedup = (base.ttft_mean_ms / s.ttft_mean_ms) if base and s.ttft_mean_ms > 0 else None
     env.update(wall_seconds=round(time.time() - t_start, 1), load_avg_end=_loadavg(), num_blocks=num_blocks,
-               num_requests=len(requests), fidelity_requests=sum(fid))
+               workload_blocks=whole, num_requests=len(requests), fidelity_requests=sum(fid))
     write_outputs(cfg.out, cfg, policies, records, summaries, env)
     stem = os.path.join(cfg.plot_dir or cfg.out, f"workload_{cfg.workload}{'_sweep' if cfg.sweep else ''}")
     plot_pareto(summaries, stem + "_pareto.png", cfg, env)
