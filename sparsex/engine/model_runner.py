@@ -23,6 +23,7 @@ from sparsex.engine.request import Request
 from sparsex.engine.scheduler import SchedulerOutput
 from sparsex.layers.attention_backend import TorchAttentionBackend
 from sparsex.layers.attention_metadata import AttentionMetadata
+from sparsex.layers.packed_linear import prepack_supported
 from sparsex.layers.sampler import Sampler, SamplingBatch, compute_topk_logprobs, token_logprobs
 from sparsex.models.llama import LlamaForCausalLM
 from sparsex.models.loader import LoadedModel
@@ -80,6 +81,8 @@ class ModelRunner:
             model = model.to_empty(device=self.device).to(self.dtype)
             _init_random(model, config.seed)
         model.rotary.build(self.device)         # float32 tables, rebuilt after the cast
+        if prepack_supported(self.device, self.dtype):
+            model.prepack_for_cpu()
         self.model = model.eval()
         self.backend = _attention_backend(self.device)
         self.sampler = Sampler()

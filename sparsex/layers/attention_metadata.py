@@ -31,6 +31,9 @@ class AttentionMetadata:
     # True when every sequence's rows are exactly positions seq_len-q_len .. seq_len-1
     # (no sparse rows): backends may then use a plain bottom-right causal mask.
     contiguous: bool = True
+    # a backend's per-step precomputation (e.g. the CPU backend's gather indices and masks),
+    # built at the first layer and reused by the others; a row subset gets a fresh one
+    backend_plan: object | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -11,6 +11,7 @@ from torch import nn
 
 from sparsex.engine.forward_context import ForwardContext
 from sparsex.layers.layernorm import RMSNorm
+from sparsex.layers.packed_linear import PackedLinear, prepack_linears
 from sparsex.layers.rotary_embedding import RotaryEmbedding
 from sparsex.models.model_config import ModelConfig
 
@@ -84,6 +85,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.packed_lm_head: PackedLinear | None = None      # set by prepack_for_cpu()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Returns final-norm hidden states of the rows still kept at the last layer:
@@ -103,8 +105,19 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(hidden)                           # [rows, vocab]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)                                  # [rows, vocab]
+
+    @torch.no_grad()
+    def prepack_for_cpu(self) -> None:
+        """CPU inference: every linear and the LM head in oneDNN's blocked layout (packed_linear.py).
+        Call after the weights are loaded and cast; the model is frozen from then on."""
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.packed_lm_head = PackedLinear(head, None)
+        self.lm_head = None                  # the packed copy replaces it (the embedding stays for lookups)
+        prepack_linears(self.layers)
 
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
