@@ -90,3 +90,36 @@ def test_block_hashes_are_domain_separated_from_segments():
     h = bh.compute_block_hashes(list(range(16)), 16, None)[0]
     assert h.value != bh.hash_segment(list(range(16)), None)
     assert bh.hash_segment([1, 2], "x") != bh.hash_segment([1, 2], None)
+
+
+def test_allocation_recounts_hit_blocks_released_by_reclaim():
+    """A prefix-hit block pinned only by a segment entry: reclaiming the entry moves it into the free
+    queue, where it must count as ours, not as free room (it used to make get_new_blocks raise)."""
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    a = _req("a", [1, 2, 3, 4, 5])
+    assert kv.allocate_slots(a, 5)
+    a.num_computed_tokens = 5
+    kv.cache_blocks(a, 4)                                  # blocks 0, 1 become prefix-cached
+    pinned = a.blocks[0]
+    kv.pool.touch([pinned])                                # a segment entry pins block 0
+    kv.free(a)
+    holder = kv.pool.get_new_blocks(1)                     # someone else holds a block: 2 free left
+    released = []
+
+    def reclaim(n: int) -> int:                            # the segment index's role
+        if released:
+            return 0
+        released.append(pinned)
+        kv.pool.free_blocks([pinned])
+        return 1
+
+    kv.reclaim = reclaim
+    b = _req("b", [1, 2, 3, 4, 9, 9, 9, 9])
+    hits, _ = kv.get_computed_blocks(b)
+    assert [h.block_id for h in hits] == [pinned.block_id, hits[1].block_id]
+    assert kv.allocate_slots(b, 4, hits) is False          # 2 hits + 2 new > 4 blocks - 1 held
+    assert released and b.blocks == []
+    kv.pool.check_integrity({holder[0].block_id: 1})
+    kv.pool.free_blocks(holder)
+    assert kv.allocate_slots(b, 4, hits)                   # with the holder gone it fits
+    kv.pool.check_integrity({blk.block_id: 1 for blk in b.blocks})

@@ -69,10 +69,17 @@ class KVCacheManager:
         hits = new_computed_blocks or []
         total = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
         num_new_blocks = cdiv(total, self.block_size) - len(req.blocks) - len(hits)
-        # hit blocks sitting in the free queue stop being allocatable once we take them
-        evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
-        if num_new_blocks > 0 and not self.can_allocate(num_new_blocks + evictable_hits):
-            return False
+        if num_new_blocks > 0:
+            while True:
+                # hit blocks sitting in the free queue stop being allocatable once we take them.
+                # Recounted after every reclaim: releasing a segment entry can drop a hit block's
+                # last reference, which moves it into the free queue (counted free, but ours).
+                need = num_new_blocks + sum(1 for b in hits if b.ref_cnt == 0)
+                short = need - self.pool.num_free_blocks
+                if short <= 0:
+                    break
+                if self.reclaim is None or self.reclaim(short) == 0:
+                    return False
         self.pool.touch(hits)
         req.blocks.extend(hits)
         if num_new_blocks > 0:
