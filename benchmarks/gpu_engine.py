@@ -174,7 +174,7 @@ class SdpaPlainPrefill:
         backend.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
     @staticmethod
-    def attention(query, k_cache, v_cache, md, scale):
+    def attention(query, k_cache, v_cache, md, scale, key=None, value=None):
         n = query.shape[0]
         k = k_cache.view(-1, *k_cache.shape[2:])[:n]
         v = v_cache.view(-1, *v_cache.shape[2:])[:n]

@@ -265,3 +265,83 @@ def test_rerotate_triton(device, dtype, head_dim, rot_dim):
 
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert rerotate_case(dtype, head_dim, rot_dim, device, copy_and_rerotate) < tol
+
+
+# ---- fused elementwise kernels (triton_fused.py) against the eager torch code they replace ----------
+@pytest.fixture
+def cuda() -> torch.device:
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        pytest.skip("the fused kernels run on CUDA tensors only")
+    return torch.device("cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [576, 4096])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_fused_rms_norm_matches_eager(cuda, dtype, hidden, with_residual):
+    from sparsex.layers.layernorm import RMSNorm
+    from sparsex.layers.triton_fused import rms_norm
+    norm = RMSNorm(hidden, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(hidden) + 0.5)
+    norm = norm.to(dtype)                                  # eager reference on the CPU
+    x = torch.randn(37, hidden).to(dtype)
+    res = torch.randn(37, hidden).to(dtype) if with_residual else None
+    ref = norm(x, res) if with_residual else norm(x)
+    out = rms_norm(x.to(cuda), norm.weight.to(cuda), 1e-5, res.to(cuda) if with_residual else None)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    if with_residual:
+        assert torch.equal(out[1].cpu(), ref[1])           # the residual sum is the same rounding
+        out, ref = out[0], ref[0]
+    assert rel_err(out.cpu(), ref) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_silu_and_mul_matches_eager(cuda, dtype):
+    from sparsex.layers.triton_fused import silu_and_mul
+    gate_up = (3 * torch.randn(29, 2 * 1536)).to(dtype)
+    gate, up = gate_up.split(1536, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    out = silu_and_mul(gate_up.to(cuda))
+    assert rel_err(out.cpu(), ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,heads", [(64, 9), (128, 32)])
+def test_fused_rope_matches_eager_on_strided_views(cuda, dtype, head_dim, heads):
+    from sparsex.layers.rotary_embedding import RotaryEmbedding, rotate
+    from sparsex.layers.triton_fused import rope
+    rot = RotaryEmbedding(head_dim, 10000.0, None, 4096)
+    kv_heads = 3
+    qkv = torch.randn(41, (heads + 2 * kv_heads) * head_dim).to(dtype)      # the fused projection's output
+    q = qkv[:, : heads * head_dim].view(-1, heads, head_dim)                 # strided views, as in Attention
+    k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(-1, kv_heads, head_dim)
+    positions = torch.randint(0, 4096, (41,))
+    cos, sin = rot.cos_sin(positions)
+    rot.build(cuda)
+    qkv_d = qkv.to(cuda)
+    q_d = qkv_d[:, : heads * head_dim].view(-1, heads, head_dim)
+    k_d = qkv_d[:, heads * head_dim: (heads + kv_heads) * head_dim].view(-1, kv_heads, head_dim)
+    for x, x_d in ((q, q_d), (k, k_d)):
+        out = rope(x_d, positions.to(cuda), rot.cos_cache, rot.sin_cache)
+        assert rel_err(out.cpu(), rotate(x, cos, sin)) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (6, 6)])
+def test_plain_prefill_sdpa_dispatch_matches_paged_kernel(cuda, heads):
+    """A step whose every sequence computes all its keys takes torch SDPA on the fresh K/V; it must
+    agree with the paged kernel (and the reference) on the same cache."""
+    from sparsex.layers import triton_attention as ta
+    num_heads, num_kv_heads = heads
+    seqs = [(n, full_rows(n)) for n in (5, 64, 203)]
+    query, k_cache, v_cache, md = make_batch(seqs, num_heads, num_kv_heads, 64, 16, torch.bfloat16, cuda, True)
+    slots = md.slot_mapping
+    key = k_cache.view(-1, num_kv_heads, 64)[slots]          # the step's own K/V are what the cache holds
+    value = v_cache.view(-1, num_kv_heads, 64)[slots]
+    assert ta._is_plain_prefill(md)
+    out = ta.TritonAttentionBackend.attention(query, k_cache, v_cache, md, 0.125, key=key, value=value)
+    paged = ta.prefill_attention(query, k_cache, v_cache, md, 0.125)
+    ref = reference(query, k_cache, v_cache, md, 0.125)
+    assert rel_err(out, ref) < TOL[torch.bfloat16] and rel_err(out, paged) < TOL[torch.bfloat16]
+

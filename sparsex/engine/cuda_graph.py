@@ -45,7 +45,8 @@ class FixedSplitDecodeBackend:
         from sparsex.layers.triton_attention import TritonAttentionBackend
         TritonAttentionBackend.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
-    def attention(self, query, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attention(self, query, k_cache, v_cache, md: AttentionMetadata, scale: float,
+                  key=None, value=None) -> torch.Tensor:
         from sparsex.layers.triton_attention import decode_attention
         return decode_attention(query, k_cache, v_cache, md, scale, num_splits=self.num_splits)
 

@@ -66,7 +66,7 @@ class CpuAttentionPlan:
 
 
 def _slots_of(block_table: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
-    p = torch.arange(n, dtype=torch.int64)
+    p = torch.arange(n, dtype=torch.int64, device=block_table.device)
     return block_table[p // block_size].to(torch.int64) * block_size + p % block_size   # [n]
 
 
@@ -81,7 +81,9 @@ def build_plan(md: AttentionMetadata, block_size: int, num_kv_groups: int, dtype
     cu = md.cu_seqlens_q_cpu
     single_rows, single_lens, single_seqs = [], [], []
     multi: list[_MultiRowSeq] = []
-    neg_inf = torch.tensor(float("-inf"), dtype=dtype)
+    dev = md.block_tables.device          # the CPU normally; any device when used as the reference
+    neg_inf = torch.tensor(float("-inf"), dtype=dtype, device=dev)
+    zero = torch.zeros((), dtype=dtype, device=dev)
     for s in range(md.num_seqs):
         q0, q1 = cu[s], cu[s + 1]
         if q1 - q0 == 1:
@@ -99,20 +101,20 @@ def build_plan(md: AttentionMetadata, block_size: int, num_kv_groups: int, dtype
                 kend, mstart = max(pos) + 1, min(pos) + 1
                 bias = None
                 if mstart < kend:
-                    key_pos = torch.arange(mstart, kend)
-                    hidden = key_pos[None, :] > torch.tensor(pos)[:, None]        # [rows, kend - mstart]
-                    bias = torch.where(hidden, neg_inf, torch.zeros((), dtype=dtype))
+                    key_pos = torch.arange(mstart, kend, device=dev)
+                    hidden = key_pos[None, :] > torch.tensor(pos, device=dev)[:, None]   # [rows, kend - mstart]
+                    bias = torch.where(hidden, neg_inf, zero)
                 chunks.append(_RowChunk(r0, r1, kend, mstart, bias))
             multi.append(_MultiRowSeq(_slots_of(md.block_tables[s], kmax, block_size), chunks))
     single = None
     if single_rows:
         L = max(single_lens)
         slots = torch.cat([_slots_of(md.block_tables[s], L, block_size) for s in single_seqs])
-        lens = torch.tensor(single_lens)
-        mask = (torch.arange(L)[None, :] < lens[:, None])[:, None, None, :]
+        lens = torch.tensor(single_lens, device=dev)
+        mask = (torch.arange(L, device=dev)[None, :] < lens[:, None])[:, None, None, :]
         # a padded key reads whatever slot the padded block-table entry points at: masked out
         slots = torch.where(mask.flatten(), slots.view(len(single_seqs), L).flatten(), 0)
-        single = _SingleRowBatch(torch.tensor(single_rows), slots, mask, L)
+        single = _SingleRowBatch(torch.tensor(single_rows, device=dev), slots, mask, L)
     return CpuAttentionPlan(single, multi)
 
 
@@ -139,6 +141,8 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         md: AttentionMetadata,
         scale: float,
+        key: torch.Tensor | None = None,     # this step's K/V (already stored); unused here
+        value: torch.Tensor | None = None,
     ) -> torch.Tensor:              # [num_tokens, num_heads, head_dim]
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = k_cache.shape[2]

@@ -65,5 +65,10 @@ class RotaryEmbedding(nn.Module):
         return freqs.cos(), freqs.sin()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        half = self.head_dim // 2
+        if q.is_cuda and half & (half - 1) == 0:
+            from sparsex.layers.triton_fused import rope                # one kernel each instead of ~8
+            return (rope(q, positions, self.cos_cache, self.sin_cache),
+                    rope(k, positions, self.cos_cache, self.sin_cache))
         cos, sin = self.cos_sin(positions)
         return rotate(q, cos, sin), rotate(k, cos, sin)

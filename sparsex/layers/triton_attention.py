@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -398,11 +399,39 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         md: AttentionMetadata,
         scale: float,
+        key: torch.Tensor | None = None,     # this step's K/V ([num_tokens, num_kv_heads, head_dim])
+        value: torch.Tensor | None = None,
     ) -> torch.Tensor:              # [num_tokens, num_heads, head_dim]
         # host ints only: no device->host sync on this path
         if query.shape[0] == md.num_seqs and md.max_seqlen_q == 1:
             return decode_attention(query, k_cache, v_cache, md, scale)
+        if key is not None and query.dtype in (torch.float16, torch.bfloat16) and _is_plain_prefill(md):
+            return _plain_prefill_sdpa(query, key, value, md, scale)
+        # Measured and rejected: extend steps (rows after a cached prefix) through a key gather +
+        # lower-right-causal SDPA were 10-25% slower than this paged kernel at 8k-32k on the H200.
         return prefill_attention(query, k_cache, v_cache, md, scale)
+
+
+def _is_plain_prefill(md: AttentionMetadata) -> bool:
+    """Every sequence computes all its keys this step (no cached prefix, no reused rows)."""
+    cu = md.cu_seqlens_q_cpu
+    return md.contiguous and all(cu[s + 1] - cu[s] == n for s, n in enumerate(md.seq_lens_cpu))
+
+
+def _plain_prefill_sdpa(query, key, value, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Plain causal prefill reads no cache: the step's own K/V are the whole key set, so torch's
+    fused SDPA (flash / cuDNN; ~530 TFLOP/s on the H200 against ~345 for the paged kernel) runs on
+    them directly, one call per sequence. This is what vLLM does with flash-attn's varlen prefill."""
+    cu = md.cu_seqlens_q_cpu
+    group = query.shape[1] // key.shape[1]
+    out = torch.empty_like(query)
+    for s in range(md.num_seqs):
+        a, b = cu[s], cu[s + 1]
+        o = F.scaled_dot_product_attention(
+            query[a:b].transpose(0, 1)[None], key[a:b].transpose(0, 1)[None], value[a:b].transpose(0, 1)[None],
+            is_causal=True, scale=scale, enable_gqa=group > 1)             # [1, H, n, D]
+        out[a:b] = o[0].transpose(0, 1)
+    return out
 
 
 __all__ = ["TritonAttentionBackend", "prefill_attention", "decode_attention", "decode_num_splits"]

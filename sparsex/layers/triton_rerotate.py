@@ -39,18 +39,30 @@ def copy_and_rerotate_torch(
     dst_slots: torch.Tensor,        # [n] int64
     delta: torch.Tensor,            # [n] int64, new position - old position
     inv_freq: torch.Tensor,         # [rot/2] float32
+    rotation: tuple[torch.Tensor, torch.Tensor] | None = None,   # _rotation(delta, inv_freq), if precomputed
 ) -> None:
     k_flat = k_cache.view(-1, *k_cache.shape[2:])                         # [slots, kv_heads, D]
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
     half = inv_freq.numel()
-    cos, sin = _rotation(delta.to(k_cache.device), inv_freq.to(k_cache.device))
-    cos, sin = cos[:, None, :], sin[:, None, :]                           # [n, 1, rot/2]
-    k = k_flat[src_slots].float()                                         # [n, kv_heads, D]
+    if rotation is None:
+        rotation = _rotation(delta.to(k_cache.device), inv_freq.to(k_cache.device))
+    cos, sin = rotation[0][:, None, :], rotation[1][:, None, :]           # [n, 1, rot/2]
+    k = k_flat.index_select(0, src_slots).float()                         # [n, kv_heads, D]
     x1, x2, rest = k[..., :half], k[..., half:2 * half], k[..., 2 * half:]
     k = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
-    v = v_flat[src_slots]                                                 # gathered before any write
+    v = v_flat.index_select(0, src_slots)                                 # gathered before any write
     k_flat.index_copy_(0, dst_slots, k.to(k_cache.dtype))
     v_flat.index_copy_(0, dst_slots, v)
+
+
+def copy_and_rerotate_all_layers_torch(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], src_slots: torch.Tensor, dst_slots: torch.Tensor,
+    delta: torch.Tensor, inv_freq: torch.Tensor,
+) -> None:
+    """`copy_and_rerotate_torch` on every layer, with the rotation angles computed once."""
+    rotation = _rotation(delta, inv_freq)
+    for k_cache, v_cache in kv_caches:
+        copy_and_rerotate_torch(k_cache, v_cache, src_slots, dst_slots, delta, inv_freq, rotation)
 
 
 if triton is not None:

@@ -42,7 +42,7 @@ class Attention(nn.Module):
         if ctx.probe is not None and self.layer_idx in ctx.probe_layers:
             ctx.probe(self.layer_idx, q, k, v, k_cache, v_cache, ctx)
         ctx.backend.store_kv(k, v, k_cache, v_cache, ctx.attn_metadata.slot_mapping)
-        o = ctx.backend.attention(q, k_cache, v_cache, ctx.attn_metadata, self.scale)  # [T, H, D]
+        o = ctx.backend.attention(q, k_cache, v_cache, ctx.attn_metadata, self.scale, key=k, value=v)  # [T, H, D]
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -54,7 +54,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)        # [T, inter] each
+        gate_up = self.gate_up_proj(x)                                   # [T, 2 * inter]
+        if gate_up.is_cuda:
+            from sparsex.layers.triton_fused import silu_and_mul
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)                     # [T, inter] each
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -34,7 +34,7 @@ from sparsex.cache.kv_cache_manager import KVCacheManager
 from sparsex.config import EngineConfig, ReuseConfig
 from sparsex.engine.forward_context import ForwardContext
 from sparsex.engine.request import Request, SegmentSpan
-from sparsex.layers.triton_rerotate import copy_and_rerotate_torch
+from sparsex.layers.triton_rerotate import copy_and_rerotate_all_layers_torch
 from sparsex.segment import selectors
 from sparsex.segment.segment_index import SegmentEntry, SegmentIndex
 
@@ -156,9 +156,12 @@ class Blender:
             self._seqs.append(_SeqBlend(req, plan.reuse, t(rows), t(pos), t(offs), t(lo), num_segments=len(plan.hits)))
         src_t, dst_t, delta_t = (torch.from_numpy(np.concatenate(x)).to(dev) for x in (src, dst, delta))
         inv_freq = self.model.rotary.inv_freq
-        copy = _copy_fn(dev)
-        for k_cache, v_cache in ctx.kv_caches:
-            copy(k_cache, v_cache, src_t, dst_t, delta_t, inv_freq)
+        if dev.type == "cuda":
+            from sparsex.layers.triton_rerotate import copy_and_rerotate
+            for k_cache, v_cache in ctx.kv_caches:
+                copy_and_rerotate(k_cache, v_cache, src_t, dst_t, delta_t, inv_freq)
+        else:
+            copy_and_rerotate_all_layers_torch(ctx.kv_caches, src_t, dst_t, delta_t, inv_freq)
         self.copy_seconds += time.perf_counter() - t0
 
         probe_layers = {b.reuse.full_layers - 1 for b in self._seqs if b.reuse.selector in selectors.PROBE_SELECTORS}
@@ -313,10 +316,3 @@ def _seq_index(md, row: int) -> int:
         if cu[s] <= row < cu[s + 1]:
             return s
     raise IndexError(row)
-
-
-def _copy_fn(device: torch.device):
-    if device.type == "cuda":
-        from sparsex.layers.triton_rerotate import copy_and_rerotate
-        return copy_and_rerotate
-    return copy_and_rerotate_torch

@@ -1,0 +1,107 @@
+"""Fused elementwise kernels for the GPU path: residual-add + RMSNorm, SiLU·mul, and RoPE on q/k.
+
+In eager torch each of these is 3-9 small kernels (casts to float32, pow/mean/rsqrt, cat of the
+rotated halves, ...): ~10 extra kernels a layer, which dominate a decode step's non-GEMM time and
+the sparse layers of a blended prefill (few rows, launch-bound). Each function here is one kernel
+and reproduces the eager arithmetic (float32 inside, the same roundings to the model dtype), so the
+torch code in `layernorm.py` / `llama.py` / `rotary_embedding.py` stays the reference
+(`tests/test_triton_kernels.py` compares them). Imported only for CUDA tensors (Triton is a GPU
+dependency; CPU installs never import this module).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro,
+                     n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RES:
+        # the sum is rounded to the model dtype first, as `x + residual` is in eager torch
+        x = x + tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0)
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=ok)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    normed = (xf * inv).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [rows, hidden]. Without residual: norm(x); with: (norm(x + residual), x + residual)."""
+    rows, n = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else out
+    res = residual if residual is not None else x
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+    block = triton.next_power_of_2(n)
+    if rows:
+        _rms_norm_kernel[(rows,)](x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0),
+                                  res_out.stride(0), n, eps, HAS_RES=residual is not None, BLOCK=block,
+                                  num_warps=4 if block <= 2048 else 8)
+    return out if residual is None else (out, res_out)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    g = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=ok, other=0.0)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)                          # F.silu rounds to the dtype
+    tl.store(out_ptr + row * stride_o + cols, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=ok)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [rows, 2 * inter] (gate first) -> silu(gate) * up: [rows, inter]."""
+    rows, two_n = gate_up.shape
+    n = two_n // 2
+    out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    if rows:
+        _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n,
+                                                            BLOCK=block, num_warps=4)
+    return out
+
+
+@triton.jit
+def _rope_kernel(x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
+                 stride_c, num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)                 # [BLOCK_H]
+    d = tl.arange(0, HALF)                                               # [HALF]
+    ok = (h < num_heads)[:, None]
+    p = tl.load(pos_ptr + t).to(tl.int64)
+    c = tl.load(cos_ptr + p * stride_c + d)[None, :]                     # [1, HALF] float32
+    s = tl.load(sin_ptr + p * stride_c + d)[None, :]
+    base = x_ptr + t * stride_xt + h[:, None] * stride_xh + d[None, :]
+    x1 = tl.load(base, mask=ok, other=0.0)
+    x2 = tl.load(base + HALF, mask=ok, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    obase = out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :]
+    tl.store(obase, (x1f * c - x2f * s).to(x1.dtype), mask=ok)
+    tl.store(obase + HALF, (x2f * c + x1f * s).to(x1.dtype), mask=ok)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim] (any strides, last dim contiguous), rotate_half layout with the
+    full head_dim rotated; cos/sin_cache: [max_position, head_dim/2] float32 -> new contiguous tensor."""
+    tokens, heads, head_dim = x.shape
+    half = head_dim // 2
+    out = torch.empty((tokens, heads, head_dim), dtype=x.dtype, device=x.device)
+    block_h = min(16, triton.next_power_of_2(heads))
+    if tokens:
+        _rope_kernel[(tokens, triton.cdiv(heads, block_h))](
+            x, out, positions, cos_cache, sin_cache, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+            cos_cache.stride(0), heads, HALF=half, BLOCK_H=block_h, num_warps=4)
+    return out
