@@ -5,6 +5,7 @@
     sparsex bench throughput [--num-prompts N] [--input-len N] [--output-len N] [--repeats N] [--dtype D]
     sparsex bench prefill [--lengths 512,1024,...] [--repeats N] [--plot PATH]
     sparsex bench serve ...      (when sparsex.bench.serve_bench is installed)
+    sparsex bench workload --workload rag|chat|agent [--policies ...] [--sweep | --stream] [--peer vllm] --out DIR
     sparsex serve ...            (when sparsex.entrypoints.serve_cli is installed)
 
 Every subcommand takes --threads N (torch intra-op threads). Bad arguments and engine ValueErrors
@@ -133,6 +134,7 @@ def _add_bench(sub, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=_run_bench_prefill)
 
     _add_hooked(bsub, "sparsex.bench.serve_bench", "add_serve_bench_parser", "run_serve_bench", "serve")
+    _add_hooked(bsub, "sparsex.bench.workload_bench", "add_workload_bench_parser", "run_workload_bench_cli", "workload")
 
 
 def _add_hooked(sub, module: str, adder: str, runner: str, command: str) -> None:

@@ -110,6 +110,7 @@ def test_max_tokens_zero_is_a_clean_error() -> None:
     (["demo", "--max-tokens", "-3"], "--max-tokens"),
     (["bench", "prefill", "--lengths", "512,abc"], "--lengths"),
     (["bench", "throughput", "--num-prompts", "0"], "--num-prompts"),
+    (["bench", "workload", "--passage-tokens", "abc"], "MIN:MAX"),     # `sparsex bench workload` is wired
 ])
 def test_bad_arguments_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture) -> None:
     # In-process (argparse exits before anything heavy is imported); the subprocess tests above

@@ -214,7 +214,10 @@ class Blender:
         pos = md.positions[r0:r1]
         if b.request.query_horizon is not None:
             is_new &= pos < b.request.query_horizon
-        new_rows = torch.nonzero(is_new).flatten() + r0
+        # the query side is the prompt's tail (the question and the template glue around it): new
+        # passages that missed the cache are new rows too, and all of them would make the score
+        # matrix [heads, new rows, keys] (GBs at 4k rows x 4k keys) for no better signal
+        new_rows = (torch.nonzero(is_new).flatten() + r0)[-_QUERY_ROWS:]
         if new_rows.numel() == 0:
             return dev
         keys = self._sequence_keys(si, k, k_cache, ctx)                       # [n, KVH, D]
@@ -293,6 +296,9 @@ class Blender:
             if self.index.lookup(seg, req.cache_salt, count=False) is not None:
                 continue
             self.index.insert(seg, req.cache_salt, req.blocks, span.start)
+
+
+_QUERY_ROWS = 128          # new rows (the last ones) whose attention weights sparse_q's scores
 
 
 class _RowSelector:
