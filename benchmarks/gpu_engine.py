@@ -364,13 +364,19 @@ def _hf_generate_b1(hf, ctx_len: int, new: int) -> float:
     return (new - 1) / (times[new] - times[1])
 
 
+def _decode_bytes(runner) -> tuple[int, int]:
+    """What a decode step must read: every weight except the embedding table (a lookup reads only a
+    few rows of it), and the KV bytes per context token."""
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters()
+                       if not n.startswith("embed_tokens"))
+    return weight_bytes, runner.bytes_per_block() // runner.block_size
+
+
 def section_decode(llm: LLM, hf, ceil: dict) -> None:
     runner = llm.llm_engine.runner
     cfg = runner.model_config
     ctx_len = SIZES["decode_ctx"]
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters()
-                       if not n.startswith("embed_tokens"))
-    kv_per_token = runner.bytes_per_block() // runner.block_size
+    weight_bytes, kv_per_token = _decode_bytes(runner)
     rows, out = [], []
     for batch in SIZES["decode_batches"]:
         ours = _engine_decode(llm, batch, ctx_len, warm=4, steps=24)
@@ -396,9 +402,7 @@ def section_decode_profile(llm: LLM, ceil: dict) -> None:
     eng = llm.llm_engine
     runner = eng.runner
     ctx_len = SIZES["decode_ctx"]
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters()
-                       if not n.startswith("embed_tokens"))
-    kv_per_token = runner.bytes_per_block() // runner.block_size
+    weight_bytes, kv_per_token = _decode_bytes(runner)
     rows, out = [], []
     for batch in (1, 64) if DEV.type == "cuda" else (1, 3):
         params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
@@ -653,6 +657,9 @@ def _dry_run_setup() -> None:
     torch.cuda.synchronize = lambda *a: None
     torch.cuda.empty_cache = lambda: None
     torch.cuda.get_device_name = lambda *a: "cpu (dry run)"
+    # hf_from_ours copies our plain weights into transformers' model; CPU prepacking would drop them
+    from sparsex.engine import model_runner
+    model_runner.prepack_supported = lambda device, dtype: False
 
 
 def main() -> None:

@@ -52,7 +52,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:       # heavy imports (torch) stay out of `sparsex --help`
     from sparsex.bench.policies import Policy
@@ -529,14 +529,24 @@ def _teacher_forcing_prompt(prompt: TokenizedPrompt) -> TokenizedPrompt:
     return dataclasses.replace(prompt, segments=[s for s in prompt.segments if s.end < n])
 
 
-def _tokenized_workload(engines: EngineCache, make) -> tuple[list, list, FlopModel, int]:
-    """(requests, prompts, FlopModel, block size) from a one-block engine: only its tokenizer and the
-    model's shape are needed, and the KV pools are sized from the prompts."""
+@dataclass
+class TokenizedWorkload:
+    requests: list[Request]
+    prompts: list[TokenizedPrompt]
+    flops: FlopModel
+    block_size: int
+    tokenizer: Any
+
+
+def _tokenized_workload(engines: EngineCache, make: Callable[[Any], list[Request]]) -> TokenizedWorkload:
+    """The workload built with a one-block engine's tokenizer: only the tokenizer and the model's
+    shape are needed, and the KV pools are sized from the prompts."""
     from sparsex.bench.fidelity import pieces_prompt
     probe, _ = engines.take("none", "timed", 1, warm=False)
     requests = make(probe.tokenizer)
     prompts = [pieces_prompt(probe, r.segments, [True] * len(r.segments)) for r in requests]
-    return requests, prompts, FlopModel.from_config(probe.model_config), probe.config.block_size
+    return TokenizedWorkload(requests, prompts, FlopModel.from_config(probe.model_config),
+                             probe.config.block_size, probe.tokenizer)
 
 
 def _pool_blocks(prompts: list[TokenizedPrompt], extra: int, block_size: int, whole: bool) -> int:
@@ -559,7 +569,8 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
     env = environment(cfg.model, cfg.dtype)
     t_start = time.time()
 
-    requests, prompts, flops, bs = _tokenized_workload(engines, lambda tok: build_workload(cfg, tok))
+    w = _tokenized_workload(engines, lambda tok: build_workload(cfg, tok))
+    requests, prompts, flops, bs = w.requests, w.prompts, w.flops, w.block_size
     if own:
         engines.release("none")
     every = cfg.fidelity_every
@@ -867,16 +878,12 @@ def run_stream(cfg: StreamConfig) -> list[StreamSummary]:
     env = environment(cfg.model, cfg.dtype)
     engines = EngineCache(cfg.model, cfg.dtype)
     lo, hi = cfg.passage_tokens
-    toks = []
-
-    def make(tok):
-        toks.append(tok)
-        return rag_workload(tok, num_queries=cfg.queries, k=cfg.k, num_passages=cfg.num_passages,
-                            zipf_a=cfg.zipf_a, seed=cfg.seed, min_passage_tokens=lo, max_passage_tokens=hi)
-
-    _, prompts, _, bs = _tokenized_workload(engines, make)
+    w = _tokenized_workload(engines, lambda tok: rag_workload(
+        tok, num_queries=cfg.queries, k=cfg.k, num_passages=cfg.num_passages, zipf_a=cfg.zipf_a, seed=cfg.seed,
+        min_passage_tokens=lo, max_passage_tokens=hi))
+    prompts, bs = w.prompts, w.block_size
     engines.release()
-    corpus = sum(p.num_tokens for p in build_passages(toks[0], cfg.num_passages, lo, hi))
+    corpus = sum(p.num_tokens for p in build_passages(w.tokenizer, cfg.num_passages, lo, hi))
     num_blocks = max(1, round(cfg.kv_fraction * corpus / bs))
     # A blended prefill holds its own blocks plus the (locked) entries it copies from.
     need = 2 * max(-(-(len(p.token_ids) + cfg.max_tokens) // bs) for p in prompts) + 1
@@ -991,7 +998,8 @@ def export_peer_job(cfg: "WorkloadBenchConfig") -> str:
     """Write the workload as token ids (+ model dir, dtype) for a peer engine; returns the path."""
     from sparsex.bench.hf_reference import model_dir_of
     engines = EngineCache(cfg.model, cfg.dtype)
-    _, prompts, _, _ = _tokenized_workload(engines, lambda tok: build_workload(cfg, tok))
+    prompts = _tokenized_workload(engines, lambda tok: build_workload(cfg, tok)).prompts
+    engines.release()
     os.makedirs(cfg.out, exist_ok=True)
     path = os.path.join(cfg.out, "peer_requests.json")
     longest = max(len(p.token_ids) for p in prompts)
@@ -1002,7 +1010,6 @@ def export_peer_job(cfg: "WorkloadBenchConfig") -> str:
 
 
 def run_peer(cfg: "WorkloadBenchConfig", peer_python: str | None) -> int:
-    import subprocess
     if peer_python and not os.path.exists(peer_python):
         raise ValueError(f"--peer-python: no such interpreter {peer_python!r}")
     path = export_peer_job(cfg)

@@ -55,13 +55,6 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     # ---- allocation -------------------------------------------------------------------------
-    def can_allocate(self, num_blocks: int) -> bool:
-        if num_blocks <= self.pool.num_free_blocks:
-            return True
-        if self.reclaim is not None:
-            self.reclaim(num_blocks - self.pool.num_free_blocks)
-        return num_blocks <= self.pool.num_free_blocks
-
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens after the (hit-extended) computed ones.

@@ -156,7 +156,8 @@ class TorchAttentionBackend:
         if plan.multi:
             # queries KV-head-major once per layer, scale folded in: a chunk's rows are then one
             # contiguous [rows * groups, D] block per KV head (rows outer, groups inner)
-            q_all = (query * scale).view(-1, num_kv_heads, groups, head_dim).transpose(0, 1).contiguous()  # [KVH, T, G, D]
+            q_all = query.new_empty(num_kv_heads, query.shape[0], groups, head_dim)     # [KVH, T, G, D]
+            torch.mul(query.view(-1, num_kv_heads, groups, head_dim).transpose(0, 1), scale, out=q_all)
             o_all = torch.empty_like(q_all)   # rows of one-row sequences are filled below
             for seq in plan.multi:
                 k = k_flat.index_select(0, seq.slots).to(query.dtype)     # [n, KVH, D]

@@ -36,12 +36,10 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def prepack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear of `model` by a PackedLinear (the plain weight is dropped).
-    Returns how many were replaced."""
+def prepack_linears(model: nn.Module) -> None:
+    """Replace every nn.Linear of `model` by a PackedLinear (the plain weight is dropped)."""
     targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
     for name, mod in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, PackedLinear(mod.weight, mod.bias))
-    return len(targets)
