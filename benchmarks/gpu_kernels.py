@@ -187,7 +187,11 @@ def sparse_cases(sweep: bool) -> None:
     configs = [default_config()]
     if sweep:
         configs += [dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
-                    dict(block_m=64, block_n=64, num_warps=4, num_stages=3)]
+                    dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
+                    dict(block_m=64, block_n=128, num_warps=4, num_stages=2),
+                    dict(block_m=128, block_n=128, num_warps=8, num_stages=3),
+                    dict(block_m=128, block_n=64, num_warps=4, num_stages=4),
+                    dict(block_m=256, block_n=64, num_warps=8, num_stages=2)]
     gen = torch.Generator().manual_seed(0)
     for n in (8192, 32768):
         body = torch.randperm(n - 64, generator=gen)[: int(0.15 * (n - 64))].sort().values

@@ -27,6 +27,9 @@ class ReuseConfig:
     selector: str = "sparse_q"
     boundary_tokens: int = 0             # also recompute the first k tokens of each reused segment
     min_segment_tokens: int = 16         # shorter pieces are not worth indexing
+    # continue an exact prefix hit with blocks an earlier blended request left behind (its KV as it
+    # is: approximate); off = blend every reused segment afresh (what fidelity evaluation needs)
+    approx_prefix: bool = True
 
     def verify(self, num_layers: int | None = None) -> None:
         if self.selector not in SELECTORS:
@@ -41,6 +44,8 @@ class ReuseConfig:
             raise ValueError(f"boundary_tokens must be an integer >= 0, got {self.boundary_tokens!r}")
         if not isinstance(self.min_segment_tokens, int) or self.min_segment_tokens < 1:
             raise ValueError(f"min_segment_tokens must be an integer >= 1, got {self.min_segment_tokens!r}")
+        if not isinstance(self.approx_prefix, bool):
+            raise ValueError(f"approx_prefix must be a bool, got {self.approx_prefix!r}")
         if self.selector in ("sparse_q", "kv_deviation") and self.full_layers < 1:
             raise ValueError(f"selector {self.selector!r} scores tokens with a full layer: full_layers must be >= 1")
 

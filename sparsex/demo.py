@@ -105,6 +105,7 @@ def stats_table(stats: EngineStats, cache: str) -> Table:
         return f"{a} / {b} ({100 * a / b:.0f}%)" if b else "0 / 0"
 
     t.add_row("prefix-cache hit tokens / looked up", pct(stats.prefix_cache_hits, stats.prefix_cache_queries))
+    t.add_row("approximate-prefix hit tokens (blended blocks)", str(stats.approx_prefix_hits))
     t.add_row("segment-cache hit tokens / looked up", pct(stats.segment_cache_hits, stats.segment_cache_queries))
     t.add_row("reused tokens recomputed", str(stats.recomputed_tokens))
     t.add_row("token selection time", f"{stats.selection_seconds * 1e3:.0f} ms")

@@ -29,6 +29,7 @@ _SELECTION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025
 _COUNTER_FIELDS = {
     "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served by the prefix cache."),
+    "approx_prefix_hits": ("approx_prefix_hits", "Prompt tokens served by blended KV blocks continuing a prefix hit."),
     "segment_cache_queries": ("segment_cache_queries", "Tokens of reusable segments looked up in the segment cache."),
     "segment_cache_hits": ("segment_cache_hits", "Tokens served by the segment cache."),
     "recomputed_tokens": ("sparse_kv_recomputed_tokens", "Reused tokens recomputed in the sparse layers."),

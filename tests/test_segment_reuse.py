@@ -142,6 +142,51 @@ def test_counters_are_exact_and_prefix_plus_segments_work_together(llm_sx, passa
     assert st.segment_cache_hits >= sum(lens) and st.recomputed_tokens >= out.num_recomputed_tokens
 
 
+def test_next_turn_continues_blended_blocks_on_the_approximate_chain(llm_sx, llm_none, passages):
+    """A blended turn leaves its blocks on the approximate chain; the next turn of the conversation
+    takes them as they are instead of blending its history again. With naive reuse (copies kept in
+    the deep layers) re-blending rebuilds the very same KV, which makes an exact oracle: continuing
+    the chain must give the same logits as re-blending with the chain turned off."""
+    eng, ref = llm_sx.llm_engine, llm_none.llm_engine
+    eng.reset_cache()
+    run_to_completion(eng, _prompt(eng, HEAD, passages[:3], QUESTION), ONE)          # register the passages
+    head = "Another system prompt, so the exact prefix is short.\n"
+    turn1 = [head, passages[2], passages[0], passages[1], QUESTION]
+    naive = {"selector": "none"}
+    t1 = pieces_prompt(eng, turn1, [True, True, True, True, False])
+    out1, _ = run_to_completion(eng, t1, ONE, reuse=naive)
+    assert out1.num_reused_tokens > 300 and out1.num_cached_tokens == 0
+    turn2 = turn1 + [" The earliest date is in the first passage.", "\nQuestion: and the latest one? Answer:"]
+    t2 = pieces_prompt(eng, turn2, [True] * 4 + [False] * 3)
+    n1 = len(t1.token_ids)
+    assert t2.token_ids[:n1] == t1.token_ids
+    hits0 = eng.stats().approx_prefix_hits
+
+    off = _logits_at_end(eng, t2, reuse={**naive, "approx_prefix": False})
+    out_off, _ = run_to_completion(eng, t2, ONE, reuse={**naive, "approx_prefix": False})
+    assert out_off.num_cached_tokens == 0 and eng.stats().approx_prefix_hits == hits0   # exact chain: nothing
+    n2 = len(t2.token_ids)
+    out_on, cap = run_to_completion(eng, t2, ONE, reuse=naive, capture=set(range(n2 - 16, n2)))
+    assert out_on.num_cached_tokens == 0                           # approximate hits never count as exact
+    assert out_on.num_reused_tokens == (n1 // 16) * 16              # turn 1's full blocks, as they are
+    assert out_on.num_recomputed_tokens == 0
+    assert eng.stats().approx_prefix_hits == hits0 + (n1 // 16) * 16
+    on = torch.stack([cap[p] for p in range(n2 - 16, n2)])
+    assert (on - off).norm() / off.norm() < 1e-4
+    want = _logits_at_end(ref, t2)
+    assert (on - want).norm() / want.norm() > 1e-3                  # it is approximate KV (not vacuous)
+
+    # recompute-everything neither reads nor writes the chain: still exactly plain prefill
+    out_all, _ = run_to_completion(eng, t2, ONE, reuse={"selector": "all"})
+    assert out_all.num_reused_tokens == out_all.num_recomputed_tokens
+    got = _logits_at_end(eng, t2, reuse={"selector": "all"})
+    assert (got - want).norm() / want.norm() < 1e-4
+    # another tenant never continues this tenant's chain
+    salted = pieces_prompt(eng, turn2, [True] * 4 + [False] * 3)
+    salted.cache_salt = "tenant-b"
+    assert run_to_completion(eng, salted, ONE, reuse=naive)[0].num_reused_tokens == 0
+
+
 def test_cache_salt_isolates_segments(llm_sx, passages):
     eng = llm_sx.llm_engine
     eng.reset_cache()

@@ -330,18 +330,27 @@ def test_fused_rope_matches_eager_on_strided_views(cuda, dtype, head_dim, heads)
 
 @pytest.mark.parametrize("heads", [(8, 2), (6, 6)])
 def test_plain_prefill_sdpa_dispatch_matches_paged_kernel(cuda, heads):
-    """A step whose every sequence computes all its keys takes torch SDPA on the fresh K/V; it must
-    agree with the paged kernel (and the reference) on the same cache."""
+    """A step whose every sequence computes all its keys, or all but a short cached prefix, takes
+    torch's causal SDPA on the fresh K/V (the prefix gathered, zero query rows padded in front); it
+    must agree with the paged kernel (and the reference) on the same cache."""
     from sparsex.layers import triton_attention as ta
     num_heads, num_kv_heads = heads
-    seqs = [(n, full_rows(n)) for n in (5, 64, 203)]
-    query, k_cache, v_cache, md = make_batch(seqs, num_heads, num_kv_heads, 64, 16, torch.bfloat16, cuda, True)
-    slots = md.slot_mapping
-    key = k_cache.view(-1, num_kv_heads, 64)[slots]          # the step's own K/V are what the cache holds
-    value = v_cache.view(-1, num_kv_heads, 64)[slots]
-    assert ta._is_plain_prefill(md)
-    out = ta.TritonAttentionBackend.attention(query, k_cache, v_cache, md, 0.125, key=key, value=value)
-    paged = ta.prefill_attention(query, k_cache, v_cache, md, 0.125)
-    ref = reference(query, k_cache, v_cache, md, 0.125)
-    assert rel_err(out, ref) < TOL[torch.bfloat16] and rel_err(out, paged) < TOL[torch.bfloat16]
-
+    cases = {
+        "plain": [(n, full_rows(n)) for n in (5, 64, 203)],
+        # cached prefixes of 0, 1 block-unaligned, exactly as long as the rows, one block
+        "short prefix": [(150, full_rows(150)), (77, tail_rows(77, 60)), (200, tail_rows(200, 100)),
+                         (48, tail_rows(48, 32))],
+    }
+    for name, seqs in cases.items():
+        query, k_cache, v_cache, md = make_batch(seqs, num_heads, num_kv_heads, 64, 16, torch.bfloat16, cuda, True)
+        slots = md.slot_mapping
+        key = k_cache.view(-1, num_kv_heads, 64)[slots]          # the step's own K/V are what the cache holds
+        value = v_cache.view(-1, num_kv_heads, 64)[slots]
+        assert ta._short_prefix_lens(md) is not None, name
+        out = ta.TritonAttentionBackend.attention(query, k_cache, v_cache, md, 0.125, key=key, value=value)
+        paged = ta.prefill_attention(query, k_cache, v_cache, md, 0.125)
+        ref = reference(query, k_cache, v_cache, md, 0.125)
+        assert rel_err(out, ref) < TOL[torch.bfloat16] and rel_err(out, paged) < TOL[torch.bfloat16], name
+    # a prefix longer than the rows, or sparse rows, stays on the paged kernel
+    _, _, _, md = make_batch([(300, tail_rows(300, 100))], num_heads, num_kv_heads, 64, 16, torch.bfloat16, cuda, True)
+    assert ta._short_prefix_lens(md) is None

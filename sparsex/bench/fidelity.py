@@ -68,7 +68,13 @@ def reference(ref_engine: LLMEngine, prompt: TokenizedPrompt, num_tokens: int) -
 
 
 def teacher_forced(engine: LLMEngine, prompt: TokenizedPrompt, cont: list[int], ref_lps: list[torch.Tensor],
-                   reuse: dict | None = None) -> FidelityResult:
+                   reuse: dict | None = None, approx_prefix: bool = False) -> FidelityResult:
+    """Fidelity of the engine's policy on `prompt` against the full-prefill reference `ref_lps`.
+
+    `approx_prefix` off (the default) blends every reused segment afresh: teacher forcing the same
+    prompt under several policies in one engine must not continue the previous run's blended blocks.
+    A replay that runs each prompt once, in order (the workload bench), turns it on, as served."""
+    reuse = {**(reuse or {}), "approx_prefix": approx_prefix}
     n = len(prompt.token_ids)
     full = TokenizedPrompt(prompt.token_ids + cont, None, list(prompt.segments), prompt.cache_salt, query_horizon=n)
     out, cap = run_to_completion(engine, full, SamplingParams(temperature=0, max_tokens=1), reuse=reuse,

@@ -169,7 +169,7 @@ class RequestRecord:
     request_id: str
     prompt_tokens: int
     cached_tokens: int            # exact prefix-cache hit
-    reused_tokens: int            # served from the segment cache
+    reused_tokens: int            # served from the segment cache (approx_prefix_tokens included)
     recomputed_tokens: int        # of the reused ones, recomputed in the sparse layers
     computed_tokens: int          # rows with fresh KV in the last layer: new + recomputed
     token_layers: int             # (row, layer) pairs computed in the prefill
@@ -187,6 +187,7 @@ class RequestRecord:
     em: float | None = None
     twin_match: bool | None = None  # the twin engine planned the same cached/reused/recomputed counts
     twin_counts: tuple[int, int, int] | None = None   # the twin's (cached, reused, recomputed)
+    approx_prefix_tokens: int = 0  # of reused_tokens: blended blocks of an earlier request continuing the prefix
 
 
 @dataclass
@@ -198,7 +199,8 @@ class PolicySummary:
     num_requests: int
     prompt_tokens: int
     prefix_hit_rate: float        # token-weighted: cached / prompt tokens
-    segment_hit_rate: float       # token-weighted: segment-reused / prompt tokens
+    approx_prefix_rate: float     # token-weighted: approximate-chain prefix hits / prompt tokens
+    segment_hit_rate: float       # token-weighted: segment-reused / prompt tokens (approximate chain excluded)
     segment_lookup_hit_rate: float | None   # hit / looked-up tokens in the segment index
     recompute_share: float | None  # recomputed / reused tokens
     computed_tokens: int
@@ -276,7 +278,8 @@ def _keys(lo: int, hi: int) -> int:
 
 
 class PlanRecorder:
-    """Which prompt spans the blender reused for the last planned request (for `FlopModel`).
+    """Which prompt spans the blender reused for the last planned request (for `FlopModel`), and
+    how many tokens before them came from the approximate prefix chain (costed like cached ones).
 
     The engine reports only the count of reused tokens; their positions set the attention cost,
     so the bench wraps the blender's `plan` on this engine instance (requests run one at a time,
@@ -284,6 +287,7 @@ class PlanRecorder:
 
     def __init__(self, engine: LLMEngine):
         self.spans: list[tuple[int, int]] = []
+        self.approx_prefix_tokens = 0
         blender = engine.runner.blender
         if blender is None:
             return
@@ -291,6 +295,7 @@ class PlanRecorder:
 
         def recording_plan(req, num_prefix_hit):
             result = plan(req, num_prefix_hit)
+            self.approx_prefix_tokens = req.num_approx_prefix_tokens
             self.spans = [] if result is None else [(s.start, s.end) for s, _ in result.hits]
             return result
 
@@ -481,27 +486,29 @@ def replay_policy(cfg: WorkloadBenchConfig, policy: Policy, timed: LLMEngine, pl
         rag = req.workload == "rag"
         # timed run: the plain request, alone, to completion
         st0 = timed.stats()
-        plans.spans = []
+        plans.spans, plans.approx_prefix_tokens = [], 0
         params = SamplingParams(temperature=0, max_tokens=cfg.answer_tokens if rag else 1)
         out, _ = run_to_completion(timed, prompt, params, reuse=reuse)
         st1 = timed.stats()
         cached, reused, rec_n = out.num_cached_tokens, out.num_reused_tokens, out.num_recomputed_tokens
         spans = plans.spans if reused else []
-        if sum(e - s for s, e in spans) != reused:
+        approx = plans.approx_prefix_tokens if reused else 0
+        if sum(e - s for s, e in spans) + approx != reused:
             raise RuntimeError(f"{policy.name}/{req.request_id}: recorded spans cover "
-                               f"{sum(e - s for s, e in spans)} tokens, the engine reused {reused}")
-        tl, fl = flops.prefill(n, cached, spans, rec_n, F)
+                               f"{sum(e - s for s, e in spans)} + {approx} tokens, the engine reused {reused}")
+        tl, fl = flops.prefill(n, cached + approx, spans, rec_n, F)
         rec = RequestRecord(
             cfg.workload, policy.name, i, req.request_id, n, cached, reused, rec_n, n - cached - reused + rec_n,
             tl, fl / 1e9, out.metrics.ttft or 0.0, 1000 * (st1.selection_seconds - st0.selection_seconds),
             st1.segment_cache_queries - st0.segment_cache_queries, st1.segment_cache_hits - st0.segment_cache_hits,
-            fid[i])
+            fid[i], approx_prefix_tokens=approx)
         if rag:
             _score(rec, _decode(timed, list(out.outputs[0].token_ids)), req)
         # twin run: the same request teacher forced (fidelity subset) or plain (to keep in step)
         if twin is not None:
             if fid[i]:
-                res = teacher_forced(twin, _teacher_forcing_prompt(prompt), refs[i].cont, refs[i].lps, reuse=reuse)
+                res = teacher_forced(twin, _teacher_forcing_prompt(prompt), refs[i].cont, refs[i].lps,
+                                     reuse=reuse, approx_prefix=True)
                 rec.top1, rec.kl, rec.match_len = res.top1, res.kl, res.match_len
                 counts = (res.num_cached_tokens, res.num_reused_tokens, res.num_recomputed_tokens)
             else:
@@ -638,6 +645,7 @@ def _mean(xs: list[float]) -> float | None:
 def summarize(workload: str, policy: Policy, recs: list[RequestRecord], flops: FlopModel) -> PolicySummary:
     prompt = sum(r.prompt_tokens for r in recs)
     reused = sum(r.reused_tokens for r in recs)
+    approx = sum(r.approx_prefix_tokens for r in recs)
     lookups = sum(r.segment_lookup_tokens for r in recs)
     ttft = [1000 * r.ttft_s for r in recs]
     fr = [r for r in recs if r.fidelity and r.top1 is not None]
@@ -646,7 +654,8 @@ def summarize(workload: str, policy: Policy, recs: list[RequestRecord], flops: F
         workload=workload, policy=policy.name, family=policy.family, description=policy.description,
         num_requests=len(recs), prompt_tokens=prompt,
         prefix_hit_rate=sum(r.cached_tokens for r in recs) / max(1, prompt),
-        segment_hit_rate=reused / max(1, prompt),
+        approx_prefix_rate=approx / max(1, prompt),
+        segment_hit_rate=(reused - approx) / max(1, prompt),
         segment_lookup_hit_rate=(sum(r.segment_hit_tokens for r in recs) / lookups) if lookups else None,
         recompute_share=(sum(r.recomputed_tokens for r in recs) / reused) if reused else None,
         computed_tokens=sum(r.computed_tokens for r in recs),
@@ -671,13 +680,13 @@ def _fmt(v: Any, spec: str, scale: float = 1.0) -> str:
 
 def summary_markdown(summaries: list[PolicySummary], fidelity_tokens: int) -> str:
     rag = any(s.f1 is not None for s in summaries)
-    head = ["policy", "prefix hit", "segment hit", "computed tok", "compute", "prefill GFLOP",
+    head = ["policy", "prefix hit", "approx prefix", "segment hit", "computed tok", "compute", "prefill GFLOP",
             "TTFT mean / p50 / p99 (ms)", "vs none", "select (ms)", "top-1", "KL", f"match (/{fidelity_tokens})"]
     if rag:
         head += ["F1", "EM"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summaries:
-        row = [s.policy, _fmt(s.prefix_hit_rate, ".1%"), _fmt(s.segment_hit_rate, ".1%"), str(s.computed_tokens),
+        row = [s.policy, _fmt(s.prefix_hit_rate, ".1%"), _fmt(s.approx_prefix_rate, ".1%"), _fmt(s.segment_hit_rate, ".1%"), str(s.computed_tokens),
                _fmt(s.compute_share, ".1%"), _fmt(s.prefill_gflops, ".0f"),
                f"{s.ttft_mean_ms:.0f} / {s.ttft_p50_ms:.0f} / {s.ttft_p99_ms:.0f}",
                _fmt(s.ttft_speedup, ".2f") + ("×" if s.ttft_speedup is not None else ""),

@@ -1,14 +1,22 @@
 """Gives requests KV blocks: prefix-cache lookups, slot allocation, freeing, registering full blocks.
 
 A request's block table is append-only and laid out by position (block i holds positions
-[i*block_size, (i+1)*block_size)). Only *exact* blocks are registered in the prefix cache: a block
-that holds (or follows) approximately reused KV is never served as an exact prefix hit.
+[i*block_size, (i+1)*block_size)). Two hash chains share the pool:
+
+- the exact chain: blocks whose KV equals a plain prefill's. Only these serve ordinary prefix hits,
+  so prefix caching on/off never changes an output;
+- the approximate chain: blocks at or after a blended request's first reused position (their KV was
+  computed over re-rotated, partly recomputed segments). Each hash carries `APPROXIMATE_KV`, so an
+  exact lookup can never return one. A later request that accepts approximate KV
+  (`ReuseConfig.approx_prefix`) continues its exact hit along this chain: the next turn of a blended
+  conversation then reuses the previous turn's KV as it is, instead of blending the same history again
+  (which would stack one more approximation per turn).
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from sparsex.cache.block_hash import compute_block_hashes
+from sparsex.cache.block_hash import BlockHash, compute_block_hashes
 from sparsex.cache.block_pool import BlockPool, KVCacheBlock
 from sparsex.engine.request import Request
 
@@ -27,6 +35,7 @@ class KVCacheManager:
         # counters (tokens), kept by the scheduler on admission
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.approx_prefix_hits = 0     # tokens served from the approximate chain
 
     # ---- prefix cache -----------------------------------------------------------------------
     def update_block_hashes(self, req: Request) -> None:
@@ -53,6 +62,30 @@ class KVCacheManager:
             hits.append(block)
             parent = block
         return hits, len(hits) * self.block_size
+
+    def get_approx_blocks(self, req: Request, exact_hits: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Blocks of the approximate chain that continue `exact_hits` (verified like exact hits)."""
+        if not self.enable_prefix_caching:
+            return []
+        start = len(exact_hits)
+        max_hit_blocks = (req.num_tokens - 1) // self.block_size
+        if start >= max_hit_blocks:
+            return []
+        bs = self.block_size
+        parent_hash = req.block_hashes[start - 1] if start > 0 else None
+        parent = exact_hits[-1] if exact_hits else None
+        tokens = req.all_token_ids
+        hits: list[KVCacheBlock] = []
+        for i in range(start, max_hit_blocks):              # hashed one by one: most lookups miss at once
+            (parent_hash,) = compute_block_hashes(tokens[i * bs:(i + 1) * bs], bs,
+                                                  req.cache_salt if i == 0 else None, parent=parent_hash,
+                                                  approximate=True)
+            block = self.pool.lookup(parent_hash, parent)
+            if block is None:
+                break
+            hits.append(block)
+            parent = block
+        return hits
 
     # ---- allocation -------------------------------------------------------------------------
     def allocate_slots(self, req: Request, num_new_tokens: int,
@@ -94,6 +127,29 @@ class KVCacheManager:
             block = req.blocks[i]
             self.pool.cache_block(block, req.block_hashes[i], parent)
             parent = block
+
+    def cache_approx_blocks(self, req: Request) -> None:
+        """Register the request's full computed blocks at or after `exact_prefix_len` on the
+        approximate chain (incremental: each step hashes only the blocks it completed)."""
+        if not self.enable_prefix_caching or req.exact_prefix_len is None or not req.approx_prefix_enabled:
+            return
+        bs = self.block_size
+        start = req.exact_prefix_len // bs                     # the block holding the first approximate KV
+        n_full = min(req.num_computed_tokens // bs, len(req.blocks))
+        done = start + len(req.approx_block_hashes)
+        if done >= n_full:
+            return
+        self.update_block_hashes(req)
+        parent: BlockHash | None
+        if req.approx_block_hashes:
+            parent = req.approx_block_hashes[-1]
+        else:
+            parent = req.block_hashes[start - 1] if start > 0 else None
+        new = compute_block_hashes(req.all_token_ids[: n_full * bs], bs, req.cache_salt, parent=parent,
+                                   start=done * bs, approximate=True)
+        req.approx_block_hashes.extend(new)
+        for i, block_hash in enumerate(new, start=done):
+            self.pool.cache_block(req.blocks[i], block_hash, req.blocks[i - 1] if i > 0 else None)
 
     @property
     def usage(self) -> float:

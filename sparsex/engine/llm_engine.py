@@ -33,6 +33,7 @@ class EngineStats:
     num_blocks: int
     prefix_cache_queries: int        # tokens looked up
     prefix_cache_hits: int           # tokens hit
+    approx_prefix_hits: int = 0      # tokens served from the approximate chain (blended KV left by earlier requests)
     segment_cache_queries: int = 0   # tokens of reusable segments looked up
     segment_cache_hits: int = 0      # tokens served from the segment cache
     recomputed_tokens: int = 0       # reused tokens recomputed in sparse layers
@@ -169,6 +170,7 @@ class LLMEngine:
                 if self.runner.blender is not None:
                     self.runner.blender.after_step(req, s)
                 self.kv.cache_blocks(req, self._exact_len(req))
+                self.kv.cache_approx_blocks(req)
                 for pos, d in res.prompt_logprobs:
                     req.prompt_logprobs[pos] = d
                 if res.sampled_token is None:
@@ -258,6 +260,7 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.kv.usage, num_blocks=self.kv.pool.num_blocks,
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,
+            approx_prefix_hits=self.kv.approx_prefix_hits,
             num_preemptions=self.scheduler.num_preemptions)
         if self.segment_index is not None:
             b = self.runner.blender

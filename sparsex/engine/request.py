@@ -60,6 +60,8 @@ class Request:
     # segment reuse
     reuse_plan: object | None = None          # segment.blender.ReusePlan, locked until its forward ran
     exact_prefix_len: int | None = None       # KV at positions >= this is approximate (blended)
+    approx_block_hashes: list[BlockHash] = field(default_factory=list)   # approximate chain from block exact_prefix_len // block_size
+    num_approx_prefix_tokens: int = 0         # approximate-chain prefix hit of the (last) admission
     segments_registered: bool = False
     query_horizon: int | None = None          # evaluation only: new rows at/after it are teacher-forced
                                               # continuation, hidden from query-side selection signals
@@ -73,6 +75,11 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def approx_prefix_enabled(self) -> bool:
+        """Reads and writes the approximate prefix chain (see cache/kv_cache_manager.py)."""
+        return self.reuse is not None and self.reuse.approx_prefix and self.reuse.selector != "all"
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -55,6 +55,9 @@ class Scheduler:
             self.segment_planner.release(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        # recomputed from scratch on readmission: whatever KV it gets then decides what is exact
+        req.exact_prefix_len = None
+        req.approx_block_hashes = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -93,10 +96,15 @@ class Scheduler:
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hits, num_hit = self.kv.get_computed_blocks(req)
+            approx_hits: list = []
+            if self.segment_planner is not None and req.approx_prefix_enabled:
+                approx_hits = self.kv.get_approx_blocks(req, hits)
+            num_approx = len(approx_hits) * self.kv.block_size
+            req.num_approx_prefix_tokens = num_approx
             plan = None
             if self.segment_planner is not None and req.reuse is not None:
-                plan = self.segment_planner.plan(req, num_hit)
-            num_new = req.num_tokens - req.num_computed_tokens - num_hit
+                plan = self.segment_planner.plan(req, num_hit + num_approx)
+            num_new = req.num_tokens - req.num_computed_tokens - num_hit - num_approx
             if plan is not None:
                 # a blended prefill cannot be chunked; it may exceed the budget only alone
                 if num_new > budget and out.scheduled:
@@ -104,7 +112,7 @@ class Scheduler:
                     break
             else:
                 num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(req, num_new, hits):
+            if not self.kv.allocate_slots(req, num_new, hits + approx_hits):
                 if plan is not None:
                     self.segment_planner.release(req)
                 if not self.running and not out.scheduled:
@@ -120,8 +128,12 @@ class Scheduler:
                 self.segment_planner.admitted(req)
             self.kv.prefix_queries += req.num_tokens
             self.kv.prefix_hits += num_hit
-            req.num_computed_tokens += num_hit
+            req.num_computed_tokens += num_hit + num_approx
             req.num_cached_tokens = num_hit
+            req.num_reused_tokens = num_approx            # the blender adds its segments' tokens
+            if num_approx:
+                self.kv.approx_prefix_hits += num_approx
+                req.exact_prefix_len = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, plan))

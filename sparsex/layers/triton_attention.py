@@ -405,32 +405,55 @@ class TritonAttentionBackend:
         # host ints only: no device->host sync on this path
         if query.shape[0] == md.num_seqs and md.max_seqlen_q == 1:
             return decode_attention(query, k_cache, v_cache, md, scale)
-        if key is not None and query.dtype in (torch.float16, torch.bfloat16) and _is_plain_prefill(md):
-            return _plain_prefill_sdpa(query, key, value, md, scale)
-        # Measured and rejected: extend steps (rows after a cached prefix) through a key gather +
-        # lower-right-causal SDPA were 10-25% slower than this paged kernel at 8k-32k on the H200.
+        if key is not None and query.dtype in (torch.float16, torch.bfloat16):
+            prefix_lens = _short_prefix_lens(md)
+            if prefix_lens is not None:
+                return _causal_sdpa(query, key, value, k_cache, v_cache, md, scale, prefix_lens)
         return prefill_attention(query, k_cache, v_cache, md, scale)
 
 
-def _is_plain_prefill(md: AttentionMetadata) -> bool:
-    """Every sequence computes all its keys this step (no cached prefix, no reused rows)."""
+def _short_prefix_lens(md: AttentionMetadata) -> list[int] | None:
+    """Per sequence, the cached keys before this step's rows, when torch's causal SDPA can serve the
+    step: every sequence's rows are its last positions (no sparse rows) after a cached prefix no
+    longer than the rows themselves. None otherwise (the paged kernel serves it)."""
+    if not md.contiguous:
+        return None
     cu = md.cu_seqlens_q_cpu
-    return md.contiguous and all(cu[s + 1] - cu[s] == n for s, n in enumerate(md.seq_lens_cpu))
+    lens = []
+    for s, n in enumerate(md.seq_lens_cpu):
+        m = cu[s + 1] - cu[s]
+        if n - m > m:
+            return None
+        lens.append(n - m)
+    return lens
 
 
-def _plain_prefill_sdpa(query, key, value, md: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Plain causal prefill reads no cache: the step's own K/V are the whole key set, so torch's
-    fused SDPA (flash / cuDNN; ~530 TFLOP/s on the H200 against ~345 for the paged kernel) runs on
-    them directly, one call per sequence. This is what vLLM does with flash-attn's varlen prefill."""
+def _causal_sdpa(query, key, value, k_cache, v_cache, md: AttentionMetadata, scale: float,
+                 prefix_lens: list[int]) -> torch.Tensor:
+    """Prefill and short-prefix extend through torch's fused causal SDPA (flash / cuDNN; ~530 TFLOP/s
+    on the H200 against ~345 for the paged kernel), one call per sequence, as vLLM does with
+    flash-attn's varlen prefill. A sequence with p cached keys gets them gathered from its blocks and
+    p zero query rows prepended, so the square causal mask is exactly "key <= own position"; the
+    padded rows cost p^2/2 of n^2/2 score elements, which is why the prefix must be short
+    (p <= rows: beyond that the paged kernel, which skips them, is faster).
+    Measured and rejected earlier: gathered keys with a lower-right causal mask (q_len != kv_len)
+    were 10-25% slower than the paged kernel at 8k-32k."""
     cu = md.cu_seqlens_q_cpu
+    bs = k_cache.shape[1]
     group = query.shape[1] // key.shape[1]
     out = torch.empty_like(query)
     for s in range(md.num_seqs):
-        a, b = cu[s], cu[s + 1]
+        a, b, p = cu[s], cu[s + 1], prefix_lens[s]
+        q, k, v = query[a:b], key[a:b], value[a:b]                        # [m, H or KVH, D]
+        if p:
+            blocks = md.block_tables[s, : (p + bs - 1) // bs].long()
+            k = torch.cat((k_cache[blocks].flatten(0, 1)[:p], k))         # [p + m, KVH, D]
+            v = torch.cat((v_cache[blocks].flatten(0, 1)[:p], v))
+            q = torch.cat((q.new_zeros(p, *q.shape[1:]), q))              # [p + m, H, D]
         o = F.scaled_dot_product_attention(
-            query[a:b].transpose(0, 1)[None], key[a:b].transpose(0, 1)[None], value[a:b].transpose(0, 1)[None],
-            is_causal=True, scale=scale, enable_gqa=group > 1)             # [1, H, n, D]
-        out[a:b] = o[0].transpose(0, 1)
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            is_causal=True, scale=scale, enable_gqa=group > 1)             # [1, H, p + m, D]
+        out[a:b] = o[0, :, p:].transpose(0, 1)
     return out
 
 

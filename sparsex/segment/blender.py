@@ -19,8 +19,10 @@ block format, and the copy, which is needed anyway because positions change, doe
 for free (K(p+d) = R(d) K(p)).
 
 Prefix-cache contract: blocks at or after the first reused position hold approximate KV and are
-never registered as exact prefix blocks (`Request.exact_prefix_len`), so a later prefix hit is
-always exact and prefix caching on/off never changes an output.
+never registered as exact prefix blocks (`Request.exact_prefix_len`), so a later exact prefix hit is
+always exact and prefix caching on/off never changes an output. They are registered on the
+approximate chain instead (cache/kv_cache_manager.py), which only requests with
+`ReuseConfig.approx_prefix` follow.
 """
 from __future__ import annotations
 
@@ -275,10 +277,12 @@ class Blender:
         plan: ReusePlan | None = scheduled.reuse_plan
         if plan is not None:
             b = next((x for x in self._seqs if x.request is req), None)
-            req.num_reused_tokens = plan.num_reused_tokens
+            # on top of an approximate-chain prefix hit the scheduler already counted
+            req.num_reused_tokens += plan.num_reused_tokens
             req.num_recomputed_tokens = b.selected if b is not None else 0
-            req.exact_prefix_len = plan.first_reused_position
-            self.reused_tokens += req.num_reused_tokens
+            first = plan.first_reused_position
+            req.exact_prefix_len = first if req.exact_prefix_len is None else min(req.exact_prefix_len, first)
+            self.reused_tokens += plan.num_reused_tokens
             self.recomputed_tokens += req.num_recomputed_tokens
             self.release(req)
         if req.num_computed_tokens >= req.num_prompt_tokens and not req.segments_registered:
