@@ -2,13 +2,15 @@
 
 Covers every row shape a step can have (plain prefill, prefix-hit extend, sparse rows at
 scattered positions, single-row decodes of different lengths, all mixed in one step), several
-row chunks per sequence, shuffled block tables, and both dtypes."""
+row chunks per sequence, shuffled block tables, both dtypes, and both single-row paths (the native
+decode kernel and the gathered SDPA fallback)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import sparsex.layers.attention_backend as ab
+from sparsex.layers import cpu_kernels
 from sparsex.layers.attention_backend import TorchAttentionBackend
 from sparsex.layers.attention_metadata import AttentionMetadata
 
@@ -49,7 +51,12 @@ def _metadata(seq_rows_pos: list[list[int]], seq_lens: list[int], tables: list[l
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("chunk_elems", [1 << 19, 64])   # one chunk per sequence / many small chunks
-def test_matches_reference_on_every_row_shape(monkeypatch, dtype, atol, chunk_elems):
+@pytest.mark.parametrize("native", [True, False])
+def test_matches_reference_on_every_row_shape(monkeypatch, dtype, atol, chunk_elems, native):
+    if native and cpu_kernels.native() is None:
+        pytest.skip("native CPU kernels not available")
+    if not native:
+        monkeypatch.setattr(cpu_kernels, "native", lambda: None)
     monkeypatch.setattr(ab, "_CHUNK_SCORE_ELEMS", chunk_elems)
     monkeypatch.setattr(ab, "_MIN_CHUNK", 4)
     g = torch.Generator().manual_seed(0)
@@ -77,7 +84,8 @@ def test_matches_reference_on_every_row_shape(monkeypatch, dtype, atol, chunk_el
     scale = D ** -0.5
     out = TorchAttentionBackend.attention(query, k_cache, v_cache, md, scale)
     plan = md.backend_plan
-    assert plan.single is not None and len(plan.multi) == 3
+    assert isinstance(plan.single, ab._SingleRowBatch if native else ab._GatheredSingleRowBatch)
+    assert len(plan.multi) == 3
     if chunk_elems == 64:
         assert all(len(seq.chunks) > 1 for seq in plan.multi)
     # a second layer reuses the plan

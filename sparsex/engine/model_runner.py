@@ -21,6 +21,7 @@ from sparsex.engine.forward_context import ForwardContext
 from sparsex.engine.host_inputs import BlockTables, PinnedUploader
 from sparsex.engine.request import Request
 from sparsex.engine.scheduler import SchedulerOutput
+from sparsex.layers import cpu_kernels
 from sparsex.layers.attention_backend import TorchAttentionBackend
 from sparsex.layers.attention_metadata import AttentionMetadata
 from sparsex.layers.packed_linear import prepack_supported
@@ -83,6 +84,8 @@ class ModelRunner:
         model.rotary.build(self.device)         # float32 tables, rebuilt after the cast
         if prepack_supported(self.device, self.dtype):
             model.prepack_for_cpu()
+        if self.device.type == "cpu":
+            cpu_kernels.native()                # built (first run on a machine) or loaded now, not in the first step
         self.model = model.eval()
         self.backend = _attention_backend(self.device)
         self.sampler = Sampler()

@@ -7,9 +7,12 @@ Caches are per layer: `[num_blocks, block_size, num_kv_heads, head_dim]`.
 The GPU backend (Triton) implements the same two functions.
 
 How the CPU backend spends its time (2-core AVX-512 box, SmolLM2 shapes, measured):
-- Sequences with one query row (decode, or a sparse layer that kept a single row) are batched
-  into one masked SDPA call per layer. It runs in float32 even for bf16 models: torch's CPU
-  flash kernel is ~7x slower on bf16 single-row queries than on float32.
+- Sequences with one query row (decode, or a sparse layer that kept a single row) go to the
+  native paged decode kernel (cpu_kernels.decode_attention): one call per layer reads K/V straight
+  from the cache. Without it (SPARSEX_NATIVE_KERNELS=0, no compiler, an unsupported dtype or head
+  dim, or tensors off the CPU as when this backend is the GPU kernels' reference) they are batched
+  into one masked SDPA call per layer over gathered keys. That runs in float32 even for bf16
+  models: torch's CPU flash kernel is ~7x slower on bf16 single-row queries than on float32.
 - Sequences with several rows (prefill, prefix-hit extend, chunked prefill, SparseX's sparse
   rows) run as row chunks of two GEMMs each: a chunk only multiplies against the keys up to its
   last row's position, and only the keys between its first and last row's positions need a mask.
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from sparsex.layers import cpu_kernels
 from sparsex.layers.attention_metadata import AttentionMetadata
 
 # Score elements per KV head a row chunk materialises; bounds the working set to stay in cache.
@@ -52,6 +56,15 @@ class _MultiRowSeq:
 
 @dataclass
 class _SingleRowBatch:
+    """One-row sequences for the native decode kernel."""
+    rows: torch.Tensor | None        # [S] int64, the one query row of each such sequence; None: all rows, in order
+    block_tables: torch.Tensor       # [S, max_blocks] int32, those sequences' block tables
+    positions: torch.Tensor          # [S] int64, each row's position
+
+
+@dataclass
+class _GatheredSingleRowBatch:
+    """One-row sequences for one masked SDPA call over gathered keys."""
     rows: torch.Tensor               # [S] int64, the one query row of each such sequence
     slots: torch.Tensor              # [S * L] int64, slot of keys 0..L-1 per sequence (padded with 0)
     mask: torch.Tensor               # [S, 1, 1, L] bool, True = visible
@@ -61,7 +74,7 @@ class _SingleRowBatch:
 @dataclass
 class CpuAttentionPlan:
     """Per-step precomputation shared by every layer (the metadata is the same for all layers)."""
-    single: _SingleRowBatch | None
+    single: _SingleRowBatch | _GatheredSingleRowBatch | None
     multi: list[_MultiRowSeq] = field(default_factory=list)
 
 
@@ -76,7 +89,9 @@ def _chunk_rows(num_kv_groups: int, kend: int) -> int:
     return max(_MIN_CHUNK, min(_MAX_CHUNK, c))
 
 
-def build_plan(md: AttentionMetadata, block_size: int, num_kv_groups: int, dtype: torch.dtype) -> CpuAttentionPlan:
+def build_plan(md: AttentionMetadata, block_size: int, num_kv_groups: int, dtype: torch.dtype,
+               native_single: bool) -> CpuAttentionPlan:
+    """`native_single`: one-row sequences go to cpu_kernels.decode_attention (else gathered SDPA)."""
     positions = md.positions.tolist()
     cu = md.cu_seqlens_q_cpu
     single_rows, single_lens, single_seqs = [], [], []
@@ -107,14 +122,21 @@ def build_plan(md: AttentionMetadata, block_size: int, num_kv_groups: int, dtype
                 chunks.append(_RowChunk(r0, r1, kend, mstart, bias))
             multi.append(_MultiRowSeq(_slots_of(md.block_tables[s], kmax, block_size), chunks))
     single = None
-    if single_rows:
+    if single_rows and native_single:
+        if len(single_rows) == md.num_seqs:   # every sequence has one row: row s is sequence s's
+            single = _SingleRowBatch(None, md.block_tables, md.positions)
+        else:
+            rows = torch.tensor(single_rows, device=dev)
+            single = _SingleRowBatch(rows, md.block_tables.index_select(0, torch.tensor(single_seqs, device=dev)),
+                                     md.positions.index_select(0, rows))
+    elif single_rows:
         L = max(single_lens)
         slots = torch.cat([_slots_of(md.block_tables[s], L, block_size) for s in single_seqs])
         lens = torch.tensor(single_lens, device=dev)
         mask = (torch.arange(L, device=dev)[None, :] < lens[:, None])[:, None, None, :]
         # a padded key reads whatever slot the padded block-table entry points at: masked out
         slots = torch.where(mask.flatten(), slots.view(len(single_seqs), L).flatten(), 0)
-        single = _SingleRowBatch(torch.tensor(single_rows, device=dev), slots, mask, L)
+        single = _GatheredSingleRowBatch(torch.tensor(single_rows, device=dev), slots, mask, L)
     return CpuAttentionPlan(single, multi)
 
 
@@ -131,6 +153,10 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [num_tokens]
     ) -> None:
+        if (cpu_kernels.supports(key, value, k_cache) and key.dtype == value.dtype == k_cache.dtype
+                and slot_mapping.dtype == torch.int64):
+            cpu_kernels.store_kv(key, value, k_cache, v_cache, slot_mapping)    # both index copies in one call
+            return
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
@@ -148,8 +174,14 @@ class TorchAttentionBackend:
         num_kv_heads = k_cache.shape[2]
         groups = num_heads // num_kv_heads
         if md.backend_plan is None:
-            md.backend_plan = build_plan(md, k_cache.shape[1], groups, query.dtype)
+            native = (head_dim in cpu_kernels.ATTENTION_HEAD_DIMS and k_cache.dtype == query.dtype
+                      and md.positions.dtype == torch.int64 and md.block_tables.dtype == torch.int32
+                      and cpu_kernels.supports(query, k_cache))
+            md.backend_plan = build_plan(md, k_cache.shape[1], groups, query.dtype, native)
         plan: CpuAttentionPlan = md.backend_plan
+        if isinstance(plan.single, _SingleRowBatch) and plan.single.rows is None:   # a pure decode step
+            b = plan.single
+            return cpu_kernels.decode_attention(query, k_cache, v_cache, b.block_tables, b.positions, scale)
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)            # [num_slots, KVH, D]
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
 
@@ -177,7 +209,12 @@ class TorchAttentionBackend:
         else:
             out = torch.empty_like(query)
 
-        if plan.single is not None:
+        if isinstance(plan.single, _SingleRowBatch):
+            b = plan.single
+            o = cpu_kernels.decode_attention(query.index_select(0, b.rows), k_cache, v_cache, b.block_tables,
+                                             b.positions, scale)                  # [S, H, D]
+            out.index_copy_(0, b.rows, o)
+        elif plan.single is not None:
             b = plan.single
             S, L = b.rows.shape[0], b.max_len
             q = query.index_select(0, b.rows).float().unsqueeze(2)   # [S, H, 1, D]

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from sparsex.layers import cpu_kernels
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     # float32 like transformers, so positions ~1e4 give bit-comparable angles
@@ -70,5 +72,8 @@ class RotaryEmbedding(nn.Module):
             from sparsex.layers.triton_fused import rope                # one kernel each instead of ~8
             return (rope(q, positions, self.cos_cache, self.sin_cache),
                     rope(k, positions, self.cos_cache, self.sin_cache))
+        if (cpu_kernels.supports(q, k) and q.dtype == k.dtype and positions.dtype == torch.int64
+                and self.cos_cache.dtype == torch.float32):
+            return cpu_kernels.rope(q, k, positions, self.cos_cache, self.sin_cache)   # `rotate` in one call
         cos, sin = self.cos_sin(positions)
         return rotate(q, cos, sin), rotate(k, cos, sin)

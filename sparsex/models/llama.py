@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsex.engine.forward_context import ForwardContext
+from sparsex.layers import cpu_kernels
 from sparsex.layers.layernorm import RMSNorm
 from sparsex.layers.packed_linear import PackedLinear, prepack_linears
 from sparsex.layers.rotary_embedding import RotaryEmbedding
@@ -58,6 +59,8 @@ class MLP(nn.Module):
         if gate_up.is_cuda:
             from sparsex.layers.triton_fused import silu_and_mul
             return self.down_proj(silu_and_mul(gate_up))
+        if cpu_kernels.supports(gate_up):
+            return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)                     # [T, inter] each
         return self.down_proj(F.silu(gate) * up)
 

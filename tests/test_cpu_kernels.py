@@ -1,0 +1,322 @@
+"""Native CPU kernels (sparsex/layers/cpu_kernels.py) against their torch references, and the fallback.
+
+The references are the torch code the kernels replace: RMSNorm._norm and the residual add,
+rotary_embedding.rotate, F.silu(gate) * up, index_copy_ into the cache, and for attention an
+exact float64 softmax per row.
+Inputs are random and never zero. Elementwise kernels round like the torch code does: RoPE is
+bit-identical; RMSNorm and SiLU may differ by one bfloat16 ulp on a few elements (the float32 sum
+of squares is accumulated in another order; exp is a different polynomial).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sparsex.layers.attention_backend as ab
+from sparsex.layers import cpu_kernels
+from sparsex.layers.attention_metadata import AttentionMetadata
+from sparsex.layers.layernorm import RMSNorm
+from sparsex.layers.rotary_embedding import RotaryEmbedding, rotate
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The compiled extension; a build failure fails these tests (only an explicit opt-out skips)."""
+    if os.environ.get(cpu_kernels.ENV) == "0":
+        pytest.skip(f"{cpu_kernels.ENV}=0")
+    assert cpu_kernels.native() is not None, "the native CPU kernels failed to build (see the log)"
+    return cpu_kernels
+
+
+@pytest.fixture
+def native_off(monkeypatch):
+    """SPARSEX_NATIVE_KERNELS=0 for one test; the cached decision is restored afterwards."""
+    monkeypatch.setenv(cpu_kernels.ENV, "0")
+    cpu_kernels.native.cache_clear()
+    yield
+    monkeypatch.delenv(cpu_kernels.ENV)
+    cpu_kernels.native.cache_clear()
+
+
+def nonzero_randn(*shape: int, gen: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    x = torch.randn(*shape, generator=gen)
+    return torch.where(x.abs() < 1e-3, torch.full_like(x, 0.5), x).to(dtype)
+
+
+def ulp_close(out: torch.Tensor, ref: torch.Tensor, max_ulps: int = 1, min_equal: float = 0.99) -> None:
+    """bf16: within `max_ulps` ulps everywhere and identical on at least `min_equal` of the elements."""
+    assert out.dtype == ref.dtype == torch.bfloat16 and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), rtol=max_ulps * 2.0 ** -7, atol=1e-30)
+    assert (out == ref).float().mean().item() >= min_equal
+
+
+# ---------------------------------------------------------------------------------- decode attention
+
+
+def attention_reference(query, k_cache, v_cache, block_tables, positions, scale) -> torch.Tensor:
+    """float64 softmax(q k^T * scale) v per row over keys 0..positions[s]: [S, H, D]."""
+    S, H, D = query.shape
+    _, bs, kvh, _ = k_cache.shape
+    out = torch.empty(S, H, D, dtype=torch.float64)
+    for s in range(S):
+        p = torch.arange(int(positions[s]) + 1)
+        slots = block_tables[s, p // bs].long() * bs + p % bs
+        k = k_cache.reshape(-1, kvh, D)[slots].double().repeat_interleave(H // kvh, dim=1)   # [n, H, D]
+        v = v_cache.reshape(-1, kvh, D)[slots].double().repeat_interleave(H // kvh, dim=1)
+        att = torch.einsum("hd,nhd->hn", query[s].double(), k) * scale
+        out[s] = torch.einsum("hn,nhd->hd", att.softmax(-1), v)
+    return out
+
+
+def paged_inputs(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, gen):
+    """Random queries and caches; each sequence's blocks scattered over a shuffled pool, table padded with 0."""
+    nblocks = [(n + block_size - 1) // block_size for n in seq_lens]
+    pool = torch.randperm(sum(nblocks) + 5, generator=gen)
+    tables = torch.zeros(len(seq_lens), max(nblocks) + 2, dtype=torch.int32)
+    used = 0
+    for s, nb in enumerate(nblocks):
+        tables[s, :nb] = pool[used:used + nb].int()
+        used += nb
+    shape = (pool.numel(), block_size, num_kv_heads, head_dim)
+    k_cache = nonzero_randn(*shape, gen=gen, dtype=dtype)
+    v_cache = nonzero_randn(*shape, gen=gen, dtype=dtype)
+    query = nonzero_randn(len(seq_lens), num_heads, head_dim, gen=gen, dtype=dtype)
+    return query, k_cache, v_cache, tables
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_decode_attention_matches_reference(kernels, dtype, num_heads, num_kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(head_dim + num_heads + block_size)
+    seq_lens = [1, 15, 16, 17, 333, 40]
+    query, k_cache, v_cache, tables = paged_inputs(seq_lens, num_heads, num_kv_heads, head_dim, block_size,
+                                                   dtype, gen)
+    positions = torch.tensor(seq_lens) - 1
+    positions[-1] = 22                       # a row that sees only a prefix of its sequence's keys
+    scale = head_dim ** -0.5
+    out = kernels.decode_attention(query, k_cache, v_cache, tables, positions, scale)
+    ref = attention_reference(query, k_cache, v_cache, tables, positions, scale)
+    assert out.dtype == dtype and out.shape == query.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+    else:                                    # float32 inside, one rounding of the output
+        torch.testing.assert_close(out.double(), ref, rtol=2.0 ** -8, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", cpu_kernels.ATTENTION_HEAD_DIMS)
+def test_decode_attention_every_head_dim_and_strided_query(kernels, head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    query, k_cache, v_cache, tables = paged_inputs([5, 70], 6, 2, head_dim, 16, torch.float32, gen)
+    wide = nonzero_randn(2, 6, 2 * head_dim, gen=gen)
+    wide[..., :head_dim] = query
+    strided = wide[..., :head_dim]           # head stride 2 * head_dim, as a view of a wider tensor
+    positions = torch.tensor([4, 69])
+    out = kernels.decode_attention(strided, k_cache, v_cache, tables, positions, 0.3)
+    ref = attention_reference(query, k_cache, v_cache, tables, positions, 0.3)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def _decode_metadata(seq_lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
+    S = len(seq_lens)
+    return AttentionMetadata(
+        positions=torch.tensor(seq_lens) - 1, slot_mapping=torch.zeros(S, dtype=torch.int64),
+        cu_seqlens_q=torch.arange(S + 1, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables, max_seqlen_q=1, max_seq_len=max(seq_lens),
+        cu_seqlens_q_cpu=list(range(S + 1)), seq_lens_cpu=seq_lens)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backend_decode_step_native_vs_gathered_sdpa(kernels, monkeypatch, dtype):
+    """The backend's two single-row paths (native kernel, gathered float32 SDPA) agree."""
+    gen = torch.Generator().manual_seed(3)
+    seq_lens = [300, 17, 1, 64]
+    query, k_cache, v_cache, tables = paged_inputs(seq_lens, 9, 3, 64, 16, dtype, gen)
+    md = _decode_metadata(seq_lens, tables)
+    out = ab.TorchAttentionBackend.attention(query, k_cache, v_cache, md, 0.125)
+    assert isinstance(md.backend_plan.single, ab._SingleRowBatch)
+    monkeypatch.setattr(cpu_kernels, "native", lambda: None)
+    md_ref = _decode_metadata(seq_lens, tables)
+    ref = ab.TorchAttentionBackend.attention(query, k_cache, v_cache, md_ref, 0.125)
+    assert isinstance(md_ref.backend_plan.single, ab._GatheredSingleRowBatch)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    else:
+        ulp_close(out, ref, min_equal=0.9)
+
+
+def test_decode_attention_rejects_bad_inputs(kernels):
+    gen = torch.Generator().manual_seed(4)
+    query, k_cache, v_cache, tables = paged_inputs([20, 3], 4, 2, 64, 16, torch.float32, gen)
+    pos = torch.tensor([19, 2])
+    with pytest.raises(ValueError, match="head_dim"):
+        kernels.decode_attention(query[..., :48], k_cache, v_cache, tables, pos, 1.0)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        kernels.decode_attention(query[:, :3], k_cache, v_cache, tables, pos, 1.0)
+    with pytest.raises(ValueError, match="k_cache"):
+        kernels.decode_attention(query, k_cache.bfloat16(), v_cache, tables, pos, 1.0)
+    with pytest.raises(ValueError, match="block_tables"):
+        kernels.decode_attention(query, k_cache, v_cache, tables.long(), pos, 1.0)
+    with pytest.raises(ValueError, match="positions"):
+        kernels.decode_attention(query, k_cache, v_cache, tables, pos.int(), 1.0)
+    with pytest.raises(ValueError, match="outside its block table"):
+        kernels.decode_attention(query, k_cache, v_cache, tables, torch.tensor([19, 10_000]), 1.0)
+    bad = tables.clone()
+    bad[0, 1] = k_cache.shape[0]
+    with pytest.raises(ValueError, match="not a block of the cache"):
+        kernels.decode_attention(query, k_cache, v_cache, bad, pos, 1.0)
+
+
+# ---------------------------------------------------------------------------------- KV store
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_matches_index_copy(kernels, dtype):
+    gen = torch.Generator().manual_seed(6)
+    T, KVH, D, H = 13, 3, 64, 9
+    qkv = nonzero_randn(T, (H + 2 * KVH) * D, gen=gen, dtype=dtype)
+    _, key, value = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+    key, value = key.view(T, KVH, D), value.view(T, KVH, D)        # strided views, as in the model
+    slots = torch.randperm(10 * 16, generator=gen)[:T]
+    k_cache, v_cache = nonzero_randn(2, 10, 16, KVH, D, gen=gen, dtype=dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    k_ref.view(-1, KVH, D).index_copy_(0, slots, key)
+    v_ref.view(-1, KVH, D).index_copy_(0, slots, value)
+    kernels.store_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    with pytest.raises(ValueError, match="not in the cache"):
+        kernels.store_kv(key, value, k_cache, v_cache, torch.full((T,), 160))
+    with pytest.raises(ValueError, match="key"):
+        kernels.store_kv(key.double(), value, k_cache, v_cache, slots)
+
+
+# ---------------------------------------------------------------------------------- RMSNorm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 576), (8, 576), (37, 960), (5, 100), (2, 3, 64)])
+def test_rms_norm_matches_reference(kernels, dtype, shape):
+    gen = torch.Generator().manual_seed(shape[-1] + len(shape))
+    norm = RMSNorm(shape[-1], 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(nonzero_randn(shape[-1], gen=gen, dtype=dtype))
+    x = nonzero_randn(*shape, gen=gen, dtype=dtype) * 3
+    residual = nonzero_randn(*shape, gen=gen, dtype=dtype)
+
+    out = kernels.rms_norm(x, norm.weight.detach(), norm.eps)
+    out_res, new_res = kernels.rms_norm(x, norm.weight.detach(), norm.eps, residual)
+    with torch.no_grad():
+        ref = norm._norm(x)                               # the torch code RMSNorm.forward runs without the kernel
+        ref_res = x + residual
+        ref_out_res = norm._norm(ref_res)
+    assert torch.equal(new_res, ref_res)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out_res, ref_out_res, rtol=1e-5, atol=1e-6)
+    else:
+        ulp_close(out, ref)
+        ulp_close(out_res, ref_out_res)
+    # the module routes CPU tensors to the kernel
+    module_out, module_res = norm(x, residual)
+    assert torch.equal(module_out, out_res) and torch.equal(module_res, new_res)
+
+
+def test_rms_norm_rejects_bad_inputs(kernels):
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="weight"):
+        kernels.rms_norm(x, torch.randn(32), 1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        kernels.rms_norm(x, torch.randn(64), 1e-5, torch.randn(4, 32))
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        kernels.rms_norm(x.half(), torch.randn(64).half(), 1e-5)
+
+
+# ---------------------------------------------------------------------------------- RoPE
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 4, 2), (40, 2, 1)])
+def test_rope_bit_identical_to_reference(kernels, dtype, head_dim, num_heads, num_kv_heads):
+    gen = torch.Generator().manual_seed(head_dim)
+    rope = RotaryEmbedding(head_dim, 10000.0, None, 40_000)
+    T = 11
+    qkv = nonzero_randn(T, (num_heads + 2 * num_kv_heads) * head_dim, gen=gen, dtype=dtype)
+    q, k, _ = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.view(T, num_heads, head_dim)                    # strided views of the fused output, as in the model
+    k = k.view(T, num_kv_heads, head_dim)
+    positions = torch.cat([torch.tensor([0, 1, 39_999]), torch.randint(0, 40_000, (T - 3,), generator=gen)])
+    q_out, k_out = kernels.rope(q, k, positions, rope.cos_cache, rope.sin_cache)
+    cos, sin = rope.cos_sin(positions)
+    assert q_out.is_contiguous() and k_out.is_contiguous()
+    assert torch.equal(q_out, rotate(q, cos, sin)) and torch.equal(k_out, rotate(k, cos, sin))
+    module_q, module_k = rope(positions, q, k)            # the module routes CPU tensors to the kernel
+    assert torch.equal(module_q, q_out) and torch.equal(module_k, k_out)
+
+
+def test_rope_rejects_positions_outside_the_tables(kernels):
+    rope = RotaryEmbedding(64, 10000.0, None, 100)
+    q, k = torch.randn(2, 4, 64), torch.randn(2, 2, 64)
+    with pytest.raises(ValueError, match="outside the rope tables"):
+        kernels.rope(q, k, torch.tensor([3, 100]), rope.cos_cache, rope.sin_cache)
+    with pytest.raises(ValueError, match="positions"):
+        kernels.rope(q, k, torch.tensor([3]), rope.cos_cache, rope.sin_cache)
+
+
+# ---------------------------------------------------------------------------------- SiLU * mul
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (8, 1536), (3, 100)])
+def test_silu_and_mul_matches_reference(kernels, dtype, rows, inter):
+    gen = torch.Generator().manual_seed(rows + inter)
+    gate_up = nonzero_randn(rows, 2 * inter, gen=gen, dtype=dtype) * 4
+    out = kernels.silu_and_mul(gate_up)
+    gate, up = gate_up.split(inter, dim=-1)
+    ref = F.silu(gate) * up
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    else:
+        ulp_close(out, ref, max_ulps=2)
+
+
+# ---------------------------------------------------------------------------------- fallback
+
+
+def test_env_off_uses_the_torch_code(native_off):
+    assert cpu_kernels.native() is None
+    x = torch.randn(4, 64)
+    assert not cpu_kernels.supports(x)
+    with pytest.raises(RuntimeError, match="not available"):
+        cpu_kernels.rms_norm(x, torch.ones(64), 1e-5)
+    gen = torch.Generator().manual_seed(5)
+    seq_lens = [20, 7]
+    query, k_cache, v_cache, tables = paged_inputs(seq_lens, 4, 2, 64, 16, torch.float32, gen)
+    md = _decode_metadata(seq_lens, tables)
+    ab.TorchAttentionBackend.attention(query, k_cache, v_cache, md, 0.125)
+    assert isinstance(md.backend_plan.single, ab._GatheredSingleRowBatch)
+
+
+def test_build_failure_warns_once_and_falls_back(monkeypatch, caplog):
+    import torch.utils.cpp_extension
+
+    def broken_load(*args, **kwargs):
+        raise RuntimeError("Error building extension 'sparsex_cpu_kernels'")
+
+    monkeypatch.delenv(cpu_kernels.ENV, raising=False)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", broken_load)
+    cpu_kernels.native.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+            assert cpu_kernels.native() is None
+            assert not cpu_kernels.supports(torch.randn(2))
+        assert [r.levelno for r in caplog.records] == [logging.WARNING]
+        assert "Error building extension" in caplog.records[0].getMessage()
+    finally:
+        cpu_kernels.native.cache_clear()
