@@ -57,3 +57,14 @@ def test_sigterm_drains_then_exits(serve_process):
     assert len(events) == 24 + 1                # every token arrived, then [DONE]
     # uvicorn re-raises the signal after its graceful shutdown: exit status is "terminated by SIGTERM"
     assert proc.wait(timeout=300) in (0, -signal.SIGTERM)
+
+
+def test_engine_flags_reach_the_reuse_config():
+    import argparse
+
+    from sparsex.entrypoints.serve_cli import add_serve_parser, engine_config
+    p = argparse.ArgumentParser()
+    add_serve_parser(p.add_subparsers(dest="command", required=True))
+    assert engine_config(p.parse_args(["serve"])).reuse.approx_prefix is True
+    cfg = engine_config(p.parse_args(["serve", "--no-approx-prefix", "--recompute-ratio", "0.3"]))
+    assert cfg.reuse.approx_prefix is False and cfg.reuse.recompute_ratio == 0.3
