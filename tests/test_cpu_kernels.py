@@ -174,6 +174,127 @@ def test_decode_attention_rejects_bad_inputs(kernels):
         kernels.decode_attention(query, k_cache, v_cache, bad, pos, 1.0)
 
 
+# ---------------------------------------------------------------------------------- multi-row attention
+
+
+def multi_row_reference(query, k_cache, v_cache, block_tables, query_start, positions, scale) -> torch.Tensor:
+    """float64 softmax(q k^T * scale) v of row t of sequence s over keys 0..positions[t]: [T, H, D]."""
+    T, H, D = query.shape
+    _, bs, kvh, _ = k_cache.shape
+    out = torch.empty(T, H, D, dtype=torch.float64)
+    for s in range(block_tables.shape[0]):
+        t0, t1 = int(query_start[s]), int(query_start[s + 1])
+        if t0 == t1:
+            continue
+        pos = positions[t0:t1]
+        p = torch.arange(int(pos.max()) + 1)
+        slots = block_tables[s, p // bs].long() * bs + p % bs
+        k = k_cache.reshape(-1, kvh, D)[slots].double().repeat_interleave(H // kvh, dim=1)   # [n, H, D]
+        v = v_cache.reshape(-1, kvh, D)[slots].double().repeat_interleave(H // kvh, dim=1)
+        att = torch.einsum("thd,nhd->thn", query[t0:t1].double(), k) * scale                 # [rows, H, n]
+        att = att.masked_fill(p[None, None, :] > pos[:, None, None], float("-inf"))
+        out[t0:t1] = torch.einsum("thn,nhd->thd", att.softmax(-1), v)
+    return out
+
+
+def multi_row_case(kind: str, gen: torch.Generator) -> tuple[list[int], list[torch.Tensor]]:
+    """(sequence lengths, the row positions of each sequence) for one kind of multi-row step."""
+    seq_lens = [150, 37, 2, 70]                                         # ragged, block-unaligned
+    if kind == "prefill":
+        return seq_lens, [torch.arange(n) for n in seq_lens]
+    if kind == "cached_prefix":                                         # rows = the tail after a cached prefix
+        return seq_lens, [torch.arange(n - q, n) for n, q in zip(seq_lens, [23, 5, 2, 64])]
+    rows = []                                                           # sparse: a sorted subset + the tail
+    for n in seq_lens:
+        keep = torch.randperm(n - 1, generator=gen)[:max(1, n // 4)]
+        rows.append(torch.cat([keep.sort().values, torch.tensor([n - 1])]).unique())
+    return seq_lens, rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kind", ["prefill", "cached_prefix", "sparse"])
+def test_multi_row_attention_matches_reference(kernels, dtype, num_heads, num_kv_heads, head_dim, kind):
+    gen = torch.Generator().manual_seed(head_dim + num_heads)
+    seq_lens, rows = multi_row_case(kind, gen)
+    _, k_cache, v_cache, tables = paged_inputs(seq_lens, num_heads, num_kv_heads, head_dim, 16, dtype, gen)
+    positions = torch.cat(rows)
+    query_start = torch.tensor([0] + [len(r) for r in rows]).cumsum(0)
+    query = nonzero_randn(positions.numel(), num_heads, head_dim, gen=gen, dtype=dtype)
+    scale = head_dim ** -0.5
+    out = kernels.multi_row_attention(query, k_cache, v_cache, tables, query_start, positions, scale)
+    ref = multi_row_reference(query, k_cache, v_cache, tables, query_start, positions, scale)
+    assert out.dtype == dtype and out.shape == query.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+    else:                                    # float32 scores, P rounded to bf16 before P·V
+        torch.testing.assert_close(out.double(), ref, rtol=2.0 ** -7, atol=5e-3)
+
+
+@pytest.mark.parametrize("head_dim", cpu_kernels.ATTENTION_HEAD_DIMS)
+def test_multi_row_attention_every_head_dim_and_strided_query(kernels, head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    _, k_cache, v_cache, tables = paged_inputs([5, 130], 6, 2, head_dim, 16, torch.float32, gen)
+    positions = torch.cat([torch.arange(5), torch.arange(130)])
+    wide = nonzero_randn(positions.numel(), 6, 2 * head_dim, gen=gen)
+    strided = wide[..., :head_dim]           # head stride 2 * head_dim, as a view of a wider tensor
+    query_start = torch.tensor([0, 5, 135])
+    out = kernels.multi_row_attention(strided, k_cache, v_cache, tables, query_start, positions, 0.3)
+    ref = multi_row_reference(strided, k_cache, v_cache, tables, query_start, positions, 0.3)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def _multi_row_metadata(seq_lens: list[int], rows: list[torch.Tensor], tables: torch.Tensor) -> AttentionMetadata:
+    cu = [0]
+    for r in rows:
+        cu.append(cu[-1] + len(r))
+    return AttentionMetadata(
+        positions=torch.cat(rows), slot_mapping=torch.zeros(cu[-1], dtype=torch.int64),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables, max_seqlen_q=max(len(r) for r in rows), max_seq_len=max(seq_lens),
+        cu_seqlens_q_cpu=cu, seq_lens_cpu=seq_lens, contiguous=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backend_multi_row_native_vs_gemm(kernels, monkeypatch, dtype):
+    """The backend's multi-row paths (native kernel, GEMM row chunks) agree, with one-row sequences mixed in."""
+    gen = torch.Generator().manual_seed(6)
+    seq_lens = [300, 17, 40, 64]
+    _, k_cache, v_cache, tables = paged_inputs(seq_lens, 9, 3, 64, 16, dtype, gen)
+    rows = [torch.arange(300), torch.tensor([16]), torch.tensor([3, 9, 20, 39]), torch.tensor([63])]
+    query = nonzero_randn(sum(len(r) for r in rows), 9, 64, gen=gen, dtype=dtype)
+    md = _multi_row_metadata(seq_lens, rows, tables)
+    out = ab.TorchAttentionBackend.attention(query, k_cache, v_cache, md, 0.125)
+    assert isinstance(md.backend_plan.multi, ab._NativeMultiRowBatch)
+    monkeypatch.setattr(cpu_kernels, "native", lambda: None)
+    md_ref = _multi_row_metadata(seq_lens, rows, tables)
+    ref = ab.TorchAttentionBackend.attention(query, k_cache, v_cache, md_ref, 0.125)
+    assert isinstance(md_ref.backend_plan.multi, list)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    else:                                    # the GEMM path also rounds the scores to bf16
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2.0 ** -6, atol=2e-2)
+
+
+def test_multi_row_attention_rejects_bad_inputs(kernels):
+    gen = torch.Generator().manual_seed(7)
+    query, k_cache, v_cache, tables = paged_inputs([20, 3, 1], 4, 2, 64, 16, torch.float32, gen)
+    qs, pos = torch.tensor([0, 2, 3]), torch.tensor([18, 19, 2])
+    with pytest.raises(ValueError, match="head_dim"):
+        kernels.multi_row_attention(query[..., :48], k_cache, v_cache, tables[:2], qs, pos, 1.0)
+    with pytest.raises(ValueError, match="query_start"):
+        kernels.multi_row_attention(query, k_cache, v_cache, tables, qs, pos, 1.0)
+    with pytest.raises(ValueError, match="query_start must run"):
+        kernels.multi_row_attention(query, k_cache, v_cache, tables[:2], torch.tensor([0, 2, 2]), pos, 1.0)
+    with pytest.raises(ValueError, match="outside its block table"):
+        kernels.multi_row_attention(query, k_cache, v_cache, tables[:2], qs, torch.tensor([18, 19, 10_000]), 1.0)
+    bad = tables.clone()
+    bad[0, 1] = k_cache.shape[0]
+    with pytest.raises(ValueError, match="not a block of the cache"):
+        kernels.multi_row_attention(query, k_cache, v_cache, bad[:2], qs, pos, 1.0)
+
+
 # ---------------------------------------------------------------------------------- KV store
 
 

@@ -1,6 +1,7 @@
 // Native CPU kernels for the decode hot path, built at first use by sparsex/layers/cpu_kernels.py.
 //
 //   decode_attention  one query row per sequence against the paged KV cache (no gather copies)
+//   multi_row_attention  several query rows per sequence (prefill, sparse rows): flash-style tiles
 //   store_kv          this step's K and V rows into their cache slots in one call
 //   rms_norm          RMSNorm; add_rms_norm fuses the residual add
 //   rope              rotary embedding of q and k (HF rotate_half layout) in one call
@@ -25,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -137,9 +139,13 @@ inline vf hsum16(const vf* v) {
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
 inline float hmax(vf v) {
+#ifdef __AVX512F__
+  return _mm512_reduce_max_ps(v);
+#else
   float m = v[0];
   for (int64_t i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
   return m;
+#endif
 }
 
 // exp(x) to ~1 ulp (Cephes expf): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 polynomial.
@@ -239,6 +245,8 @@ inline void dots_bf16(const vbf* q, const c10::BFloat16* rows, int64_t stride, i
 #else
 constexpr bool kBf16DotProducts = false;
 struct vbf {};                                            // unused without AVX512-BF16
+template <int64_t NV>                                     // declared for the discarded branches only
+void dots_bf16(const vbf* q, const c10::BFloat16* rows, int64_t stride, int64_t m, vf* dot);
 #endif
 
 // `count` rows of one KV head in a cache block as float32: bfloat16 rows are converted into
@@ -455,6 +463,340 @@ at::Tensor decode_attention(const at::Tensor& query_in, const at::Tensor& k_cach
       case 96: return decode_attention_impl<T, 6>(query, k_cache, v_cache, block_tables, positions, sc, out);
       case 128: return decode_attention_impl<T, 8>(query, k_cache, v_cache, block_tables, positions, sc, out);
       case 256: return decode_attention_impl<T, 16>(query, k_cache, v_cache, block_tables, positions, sc, out);
+      default: TORCH_CHECK_VALUE(false, "unsupported head_dim ", D, " (16, 32, 64, 80, 96, 128 or 256)");
+    }
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------ paged multi-row (flash) attention
+
+// Sequences with several query rows (prefill, prefix-hit extend, chunked prefill, sparse rows).
+// Phase 1 packs each (sequence, KV head)'s keys 0..n-1 once, in blocks of kKeyBlock keys, into the
+// layouts the tile loops stream (zero past n): with bfloat16 dot products K as [D/2][kKeyBlock]
+// pairs of dims and V as [kKeyBlock/2][D] pairs of keys (vdpbf16ps operands); in float32 K as
+// [D][kKeyBlock] and V as [kKeyBlock][D]. Phase 2 runs a tile of query rows x the G query heads of a
+// KV head against the key blocks up to the tile's last position with an online softmax: scores of
+// one key block live in a [tile, kKeyBlock] scratch, never a [rows, keys] matrix. Only the blocks
+// holding keys past the tile's first position are masked.
+constexpr int64_t kKeyBlock = 64;
+constexpr int64_t kKeyVecs = kKeyBlock / kLanes;
+constexpr int64_t kTileQueries = 96;                      // query vectors (rows x G) a tile aims for
+constexpr int64_t kQkRows = 6;                            // query vectors per QK micro-kernel call
+
+template <int64_t NV>
+constexpr int64_t pv_rows() { return std::max<int64_t>(1, std::min<int64_t>(6, 24 / NV)); }   // accumulators <= 24
+
+// scores[r][0..kKeyBlock) = q[r] . k for MR query vectors (rows D apart) and one packed K block.
+template <int64_t MR, int64_t NV>
+inline void qk_f32(const float* q, const float* kp, float* scores) {
+  constexpr int64_t D = NV * kLanes;
+  vf acc[MR][kKeyVecs] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    vf k[kKeyVecs];
+    for (int64_t c = 0; c < kKeyVecs; ++c) k[c] = load(kp + d * kKeyBlock + c * kLanes);
+#pragma GCC unroll 6
+    for (int64_t r = 0; r < MR; ++r) {
+      const vf qb = splat(q[r * D + d]);
+      for (int64_t c = 0; c < kKeyVecs; ++c) acc[r][c] = fmadd(qb, k[c], acc[r][c]);
+    }
+  }
+  for (int64_t r = 0; r < MR; ++r)
+    for (int64_t c = 0; c < kKeyVecs; ++c) store(scores + r * kKeyBlock + c * kLanes, acc[r][c]);
+}
+
+// o[r] += sum_k p[r][k] v[k] for MR rows (p rows kKeyBlock apart, o rows D apart), keys 0..count-1.
+template <int64_t MR, int64_t NV>
+inline void pv_f32(const float* p, const float* vp, int64_t count, float* o) {
+  constexpr int64_t D = NV * kLanes;
+  vf acc[MR][NV];
+  for (int64_t r = 0; r < MR; ++r)
+    for (int64_t c = 0; c < NV; ++c) acc[r][c] = load(o + r * D + c * kLanes);
+  for (int64_t k = 0; k < count; ++k) {
+    vf pb[MR];
+    for (int64_t r = 0; r < MR; ++r) pb[r] = splat(p[r * kKeyBlock + k]);
+    for (int64_t c = 0; c < NV; ++c) {
+      const vf v = load(vp + k * D + c * kLanes);
+      for (int64_t r = 0; r < MR; ++r) acc[r][c] = fmadd(pb[r], v, acc[r][c]);
+    }
+  }
+  for (int64_t r = 0; r < MR; ++r)
+    for (int64_t c = 0; c < NV; ++c) store(o + r * D + c * kLanes, acc[r][c]);
+}
+
+// The same with bfloat16 operands (vdpbf16ps): q rows of D bf16, K packed as pairs of dims.
+#ifdef __AVX512BF16__
+inline vbf broadcast_pair(const c10::BFloat16* p) {      // both lanes of every 32-bit pair = p[0], p[1]
+  uint32_t x;
+  std::memcpy(&x, p, sizeof x);
+  return (vbf)_mm512_set1_epi32(static_cast<int32_t>(x));
+}
+
+template <int64_t MR, int64_t NV>
+inline void qk_bf16(const c10::BFloat16* q, const c10::BFloat16* kp, float* scores) {
+  constexpr int64_t D = NV * kLanes;
+  __m512 acc[MR][kKeyVecs];
+  for (int64_t r = 0; r < MR; ++r)
+    for (int64_t c = 0; c < kKeyVecs; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < D / 2; ++j) {                   // dims 2j, 2j+1
+    vbf k[kKeyVecs];
+    for (int64_t c = 0; c < kKeyVecs; ++c) k[c] = (vbf)_mm512_loadu_si512(kp + (j * kKeyBlock + c * kLanes) * 2);
+#pragma GCC unroll 6
+    for (int64_t r = 0; r < MR; ++r) {
+      const vbf qb = broadcast_pair(q + r * D + 2 * j);
+      for (int64_t c = 0; c < kKeyVecs; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qb, k[c]);
+    }
+  }
+  for (int64_t r = 0; r < MR; ++r)
+    for (int64_t c = 0; c < kKeyVecs; ++c) _mm512_storeu_ps(scores + r * kKeyBlock + c * kLanes, acc[r][c]);
+}
+
+// pv_f32 with bfloat16 probabilities and V packed as pairs of keys; count rounds up to a pair.
+template <int64_t MR, int64_t NV>
+inline void pv_bf16(const c10::BFloat16* p, const c10::BFloat16* vp, int64_t count, float* o) {
+  constexpr int64_t D = NV * kLanes;
+  __m512 acc[MR][NV];
+  for (int64_t r = 0; r < MR; ++r)
+    for (int64_t c = 0; c < NV; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + c * kLanes);
+  for (int64_t kk = 0; kk < (count + 1) / 2; ++kk) {     // keys 2kk, 2kk+1 (a pad key has p = 0, v = 0)
+    vbf pb[MR];
+    for (int64_t r = 0; r < MR; ++r) pb[r] = broadcast_pair(p + r * kKeyBlock + 2 * kk);
+    for (int64_t c = 0; c < NV; ++c) {
+      const vbf v = (vbf)_mm512_loadu_si512(vp + (kk * D + c * kLanes) * 2);
+      for (int64_t r = 0; r < MR; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb[r], v);
+    }
+  }
+  for (int64_t r = 0; r < MR; ++r)
+    for (int64_t c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * D + c * kLanes, acc[r][c]);
+}
+#else
+template <int64_t MR, int64_t NV>                         // declared for the discarded branches only
+void qk_bf16(const c10::BFloat16* q, const c10::BFloat16* kp, float* scores);
+template <int64_t MR, int64_t NV>
+void pv_bf16(const c10::BFloat16* p, const c10::BFloat16* vp, int64_t count, float* o);
+#endif
+
+// Calls f(r, MR) over rows 0..rows-1 in steps of MR (a compile-time constant), then single rows.
+template <int64_t MR, typename F>
+inline void row_steps(int64_t rows, F&& f) {
+  int64_t r = 0;
+  for (; r + MR <= rows; r += MR) f(r, std::integral_constant<int64_t, MR>{});
+  for (; r < rows; ++r) f(r, std::integral_constant<int64_t, 1>{});
+}
+
+template <typename T, int64_t NV>
+void multi_row_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& block_tables, const int64_t* qstart, const int64_t* pos,
+                              const std::vector<int64_t>& num_keys, float scale, at::Tensor& out) {
+  constexpr int64_t D = NV * kLanes;
+  constexpr bool bf16_dots = kBf16DotProducts && std::is_same_v<T, c10::BFloat16>;
+  using P = std::conditional_t<bf16_dots, c10::BFloat16, float>;   // packed K/V, Q and probabilities
+  const int64_t S = block_tables.size(0), H = query.size(1);
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
+  const int64_t q_ts = query.stride(0), q_hs = query.stride(1), bt_stride = block_tables.stride(0);
+  const T* q_ptr = query.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  const int32_t* bt_ptr = block_tables.data_ptr<int32_t>();
+  T* o_ptr = out.data_ptr<T>();
+  constexpr int64_t block_elems = kKeyBlock * D;
+
+  // Phase 1: packed [key blocks of all sequences][KVH][kKeyBlock * D] K and V
+  std::vector<int64_t> block0(S + 1, 0);                  // first key block of each sequence
+  for (int64_t s = 0; s < S; ++s) block0[s + 1] = block0[s] + (num_keys[s] + kKeyBlock - 1) / kKeyBlock;
+  std::vector<int64_t> block_seq(block0[S]);
+  for (int64_t s = 0; s < S; ++s) std::fill(block_seq.begin() + block0[s], block_seq.begin() + block0[s + 1], s);
+  const std::unique_ptr<P[]> k_pack(new P[block0[S] * KVH * block_elems]);   // every element is written below
+  const std::unique_ptr<P[]> v_pack(new P[block0[S] * KVH * block_elems]);
+  at::parallel_for(0, block0[S] * KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / KVH, h = task % KVH, s = block_seq[b];
+      const int64_t p0 = (b - block0[s]) * kKeyBlock, count = std::min(kKeyBlock, num_keys[s] - p0);
+      P* kp = k_pack.get() + task * block_elems;
+      P* vp = v_pack.get() + task * block_elems;
+      const int32_t* table = bt_ptr + s * bt_stride;
+      for (int64_t t = 0; t < kKeyBlock; ++t) {
+        if (t >= count) {
+          for (int64_t d = 0; d < D; ++d) {
+            const int64_t ki = bf16_dots ? (d / 2 * kKeyBlock + t) * 2 + d % 2 : d * kKeyBlock + t;
+            const int64_t vi = bf16_dots ? (t / 2 * D + d) * 2 + t % 2 : t * D + d;
+            kp[ki] = vp[vi] = P(0.f);
+          }
+          continue;
+        }
+        const int64_t p = p0 + t, slot = table[p / BS] * BS + p % BS;
+        const T* k_row = k_ptr + (slot * KVH + h) * D;
+        const T* v_row = v_ptr + (slot * KVH + h) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          if constexpr (bf16_dots) {
+            kp[(d / 2 * kKeyBlock + t) * 2 + d % 2] = k_row[d];
+            vp[(t / 2 * D + d) * 2 + t % 2] = v_row[d];
+          } else {
+            kp[d * kKeyBlock + t] = static_cast<float>(k_row[d]);
+            vp[t * D + d] = static_cast<float>(v_row[d]);
+          }
+        }
+      }
+    }
+  });
+
+  // Phase 2: tasks (sequence, KV head, row tile), the longest first (dynamic schedule)
+  const int64_t tile_rows = std::max<int64_t>(1, kTileQueries / G), tile_q = tile_rows * G;
+  struct Task { int64_t s, h, r0, r1, kend; };
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t r0 = qstart[s]; r0 < qstart[s + 1]; r0 += tile_rows) {
+      const int64_t r1 = std::min(qstart[s + 1], r0 + tile_rows);
+      const int64_t kend = *std::max_element(pos + r0, pos + r1) + 1;
+      for (int64_t h = 0; h < KVH; ++h) tasks.push_back({s, h, r0, r1, kend});
+    }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
+    return a.kend * (a.r1 - a.r0) > b.kend * (b.r1 - b.r0);
+  });
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const float score_scale = bf16_dots ? scale : 1.0f;     // float32 queries carry the scale
+  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vf neg_inf = splat(-std::numeric_limits<float>::infinity());
+#pragma omp parallel num_threads(std::min<int64_t>(at::get_num_threads(), num_tasks))
+  {
+    std::vector<P> q(tile_q * D);                         // [tile_q, D] queries, row-major (rows x G)
+    std::vector<float> o(tile_q * D);                     // [tile_q, D] output accumulators
+    std::vector<float> scores(tile_q * kKeyBlock);        // [tile_q, kKeyBlock] one key block's scores
+    std::vector<P> probs(tile_q * kKeyBlock);             // [tile_q, kKeyBlock] exp(score - max)
+    std::vector<float> row_max(tile_q), denom(tile_q);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t ti = 0; ti < num_tasks; ++ti) {
+      const Task& task = tasks[ti];
+      const int64_t M = (task.r1 - task.r0) * G;
+      const int64_t mstart = *std::min_element(pos + task.r0, pos + task.r1) + 1;  // keys < mstart: all rows
+      for (int64_t m = 0; m < M; ++m) {
+        const T* q_row = q_ptr + (task.r0 + m / G) * q_ts + (task.h * G + m % G) * q_hs;
+        for (int64_t d = 0; d < D; ++d)
+          q[m * D + d] = bf16_dots ? P(q_row[d]) : P(static_cast<float>(q_row[d]) * scale);
+      }
+      std::fill(o.begin(), o.begin() + M * D, 0.f);
+      std::fill(row_max.begin(), row_max.begin() + M, -std::numeric_limits<float>::infinity());
+      std::fill(denom.begin(), denom.begin() + M, 0.f);
+      for (int64_t p0 = 0; p0 < task.kend; p0 += kKeyBlock) {
+        const int64_t count = std::min(kKeyBlock, task.kend - p0);
+        const int64_t packed = ((block0[task.s] + p0 / kKeyBlock) * KVH + task.h) * block_elems;
+        const P* kp = k_pack.get() + packed;
+        const P* vp = v_pack.get() + packed;
+        row_steps<kQkRows>(M, [&](int64_t m, auto mr) {
+          if constexpr (bf16_dots)
+            qk_bf16<decltype(mr)::value, NV>(q.data() + m * D, kp, scores.data() + m * kKeyBlock);
+          else
+            qk_f32<decltype(mr)::value, NV>(q.data() + m * D, kp, scores.data() + m * kKeyBlock);
+        });
+        const bool masked = p0 + kKeyBlock > mstart;
+        for (int64_t m = 0; m < M; ++m) {
+          const int64_t visible = masked ? std::min(kKeyBlock, pos[task.r0 + m / G] + 1 - p0) : kKeyBlock;
+          P* pr = probs.data() + m * kKeyBlock;
+          if (visible <= 0) {                             // the row's keys all lie in earlier blocks
+            std::fill(pr, pr + kKeyBlock, P(0.f));
+            continue;
+          }
+          float* sr = scores.data() + m * kKeyBlock;
+          vf bmax = neg_inf;
+          for (int64_t c = 0; c < kKeyVecs; ++c) {
+            const vf sc = (lane + static_cast<int32_t>(c * kLanes) < static_cast<int32_t>(visible))
+                              ? load(sr + c * kLanes) * splat(score_scale) : neg_inf;
+            store(sr + c * kLanes, sc);
+            bmax = vmax(bmax, sc);
+          }
+          const float new_max = std::max(row_max[m], hmax(bmax));
+          const float alpha = sexp(row_max[m] - new_max);
+          vf sum{};
+          for (int64_t c = 0; c < kKeyVecs; ++c) {
+            const vf e = vexp(load(sr + c * kLanes) - splat(new_max));
+            sum += e;
+            store(pr + c * kLanes, e);
+          }
+          denom[m] = denom[m] * alpha + hsum(sum);
+          row_max[m] = new_max;
+          float* o_row = o.data() + m * D;
+          if (alpha != 1.f)
+            for (int64_t c = 0; c < NV; ++c) store(o_row + c * kLanes, load(o_row + c * kLanes) * splat(alpha));
+        }
+        row_steps<pv_rows<NV>()>(M, [&](int64_t m, auto mr) {
+          if constexpr (bf16_dots)
+            pv_bf16<decltype(mr)::value, NV>(probs.data() + m * kKeyBlock, vp, count, o.data() + m * D);
+          else
+            pv_f32<decltype(mr)::value, NV>(probs.data() + m * kKeyBlock, vp, count, o.data() + m * D);
+        });
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        const vf inv = splat(1.f / denom[m]);
+        T* o_row = o_ptr + (task.r0 + m / G) * H * D + (task.h * G + m % G) * D;
+        for (int64_t c = 0; c < NV; ++c) store(o_row + c * kLanes, load(o.data() + m * D + c * kLanes) * inv);
+      }
+    }
+  }
+}
+
+// query [T, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables [S, max_blocks]
+// int32; query_start [S + 1] int64 (rows of sequence s: query_start[s]..query_start[s+1]-1);
+// positions [T] int64 (row t sees keys 0..positions[t] of its sequence). Returns [T, H, D].
+at::Tensor multi_row_attention(const at::Tensor& query_in, const at::Tensor& k_cache_in,
+                               const at::Tensor& v_cache_in, const at::Tensor& block_tables_in,
+                               const at::Tensor& query_start_in, const at::Tensor& positions_in, double scale) {
+  check_float(query_in, "query");
+  check_same_dtype(k_cache_in, query_in, "k_cache");
+  check_same_dtype(v_cache_in, query_in, "v_cache");
+  TORCH_CHECK_VALUE(query_in.dim() == 3 && k_cache_in.dim() == 4 && k_cache_in.sizes() == v_cache_in.sizes(),
+                    "expected query [T, H, D] and caches [blocks, block_size, KVH, D], got ", query_in.sizes(),
+                    ", ", k_cache_in.sizes(), ", ", v_cache_in.sizes());
+  const int64_t T = query_in.size(0), H = query_in.size(1), D = query_in.size(2), KVH = k_cache_in.size(2);
+  TORCH_CHECK_VALUE(k_cache_in.size(3) == D, "head_dim ", D, " does not match the cache's ", k_cache_in.size(3));
+  TORCH_CHECK_VALUE(KVH > 0 && H % KVH == 0, "num_heads ", H, " is not a multiple of num_kv_heads ", KVH);
+  TORCH_CHECK_VALUE(block_tables_in.device().is_cpu() && block_tables_in.scalar_type() == at::kInt &&
+                    block_tables_in.dim() == 2, "block_tables must be [S, max_blocks] int32, got ",
+                    block_tables_in.sizes(), " ", block_tables_in.scalar_type());
+  const int64_t S = block_tables_in.size(0);
+  check_index(query_start_in, at::kLong, S + 1, "query_start");
+  check_index(positions_in, at::kLong, T, "positions");
+  const at::Tensor query = query_in.stride(2) == 1 ? query_in : query_in.contiguous();
+  const at::Tensor k_cache = k_cache_in.contiguous(), v_cache = v_cache_in.contiguous();
+  const at::Tensor block_tables = block_tables_in.stride(1) == 1 ? block_tables_in : block_tables_in.contiguous();
+  const at::Tensor query_start = query_start_in.contiguous(), positions = positions_in.contiguous();
+  const int64_t block_size = k_cache.size(1), num_blocks = k_cache.size(0);
+  const int64_t max_keys = block_tables.size(1) * block_size;
+  const int64_t* qstart = query_start.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(qstart[0] == 0 && qstart[S] == T, "query_start must run from 0 to ", T);
+  std::vector<int64_t> num_keys(S);                       // keys 0..num_keys[s]-1 of sequence s are read
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK_VALUE(qstart[s] <= qstart[s + 1], "query_start must be non-decreasing");
+    int64_t last = -1;
+    for (int64_t t = qstart[s]; t < qstart[s + 1]; ++t) {
+      TORCH_CHECK_VALUE(pos[t] >= 0 && pos[t] < max_keys, "position ", pos[t], " of row ", t,
+                        " is outside its block table (", max_keys, " keys)");
+      last = std::max(last, pos[t]);
+    }
+    num_keys[s] = last + 1;
+    const int32_t* table = block_tables.data_ptr<int32_t>() + s * block_tables.stride(0);
+    for (int64_t b = 0; b * block_size < num_keys[s]; ++b)
+      TORCH_CHECK_VALUE(table[b] >= 0 && table[b] < num_blocks, "block table entry ", table[b], " of sequence ",
+                        s, " is not a block of the cache (", num_blocks, " blocks)");
+  }
+
+  at::Tensor out = at::empty({T, H, D}, query.options());
+  if (T == 0) return out;
+  dispatch_float_types(query.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const float sc = static_cast<float>(scale);
+    const auto run = [&](auto nv) {
+      multi_row_attention_impl<T, decltype(nv)::value>(query, k_cache, v_cache, block_tables, qstart, pos, num_keys,
+                                                       sc, out);
+    };
+    switch (D) {   // the head dims cpu_kernels.py lists in ATTENTION_HEAD_DIMS
+      case 16: return run(std::integral_constant<int64_t, 1>{});
+      case 32: return run(std::integral_constant<int64_t, 2>{});
+      case 64: return run(std::integral_constant<int64_t, 4>{});
+      case 80: return run(std::integral_constant<int64_t, 5>{});
+      case 96: return run(std::integral_constant<int64_t, 6>{});
+      case 128: return run(std::integral_constant<int64_t, 8>{});
+      case 256: return run(std::integral_constant<int64_t, 16>{});
       default: TORCH_CHECK_VALUE(false, "unsupported head_dim ", D, " (16, 32, 64, 80, 96, 128 or 256)");
     }
   });
@@ -695,6 +1037,9 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up_in) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged single-row attention", py::arg("query"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_tables"), py::arg("positions"), py::arg("scale"));
+  m.def("multi_row_attention", &multi_row_attention, "paged multi-row (flash) attention", py::arg("query"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start"),
+        py::arg("positions"), py::arg("scale"));
   m.def("store_kv", &store_kv, "K/V rows into cache slots", py::arg("key"), py::arg("value"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("slot_mapping"));
   m.def("rms_norm", &rms_norm, "RMSNorm", py::arg("x"), py::arg("weight"), py::arg("eps"));

@@ -14,12 +14,15 @@ How the CPU backend spends its time (2-core AVX-512 box, SmolLM2 shapes, measure
   into one masked SDPA call per layer over gathered keys. That runs in float32 even for bf16
   models: torch's CPU flash kernel is ~7x slower on bf16 single-row queries than on float32.
 - Sequences with several rows (prefill, prefix-hit extend, chunked prefill, SparseX's sparse
-  rows) run as row chunks of two GEMMs each: a chunk only multiplies against the keys up to its
-  last row's position, and only the keys between its first and last row's positions need a mask.
-  That skips the causal upper triangle like flash attention does, but with MKL/oneDNN GEMMs,
-  which are ~1.5x faster than the CPU flash kernel at 1k-4k tokens. Scores are computed in the
-  model dtype; the softmax accumulates in float32 and rounds P to the model dtype, as flash
-  kernels do before the PV product.
+  rows) go to the native flash-style kernel (cpu_kernels.multi_row_attention) under the same
+  conditions: tiles of rows x a KV head's query heads against key blocks, online softmax in float32,
+  scores never written to memory; 1.3-1.6x faster than the GEMM path below at 1k-4k tokens (bf16),
+  ~2x in float32. Without it they run as row chunks of two GEMMs each: a chunk only multiplies
+  against the keys up to its last row's position, and only the keys between its first and last
+  row's positions need a mask. That skips the causal upper triangle like flash attention does,
+  but with MKL/oneDNN GEMMs, which are ~1.5x faster than torch's CPU flash kernel at 1k-4k
+  tokens. Scores are computed in the model dtype; the softmax accumulates in float32 and rounds
+  P to the model dtype, as flash kernels do before the PV product.
 - Everything that depends only on the step (cache slot of every visible key, chunk bounds,
   masks) is built once, at the first layer, and reused by all layers (`CpuAttentionPlan`).
 """
@@ -55,6 +58,15 @@ class _MultiRowSeq:
 
 
 @dataclass
+class _NativeMultiRowBatch:
+    """Multi-row sequences for the native flash-style kernel."""
+    rows: torch.Tensor | None        # [R] int64, the rows of these sequences; None: all rows, in order
+    block_tables: torch.Tensor       # [S, max_blocks] int32, those sequences' block tables
+    query_start: torch.Tensor        # [S + 1] int64, sequence s owns rows query_start[s]:query_start[s+1] of `rows`
+    positions: torch.Tensor          # [R] int64, each row's position
+
+
+@dataclass
 class _SingleRowBatch:
     """One-row sequences for the native decode kernel."""
     rows: torch.Tensor | None        # [S] int64, the one query row of each such sequence; None: all rows, in order
@@ -75,7 +87,7 @@ class _GatheredSingleRowBatch:
 class CpuAttentionPlan:
     """Per-step precomputation shared by every layer (the metadata is the same for all layers)."""
     single: _SingleRowBatch | _GatheredSingleRowBatch | None
-    multi: list[_MultiRowSeq] = field(default_factory=list)
+    multi: _NativeMultiRowBatch | list[_MultiRowSeq] = field(default_factory=list)   # [] when none
 
 
 def _slots_of(block_table: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
@@ -89,12 +101,24 @@ def _chunk_rows(num_kv_groups: int, kend: int) -> int:
     return max(_MIN_CHUNK, min(_MAX_CHUNK, c))
 
 
+def _native_multi(md: AttentionMetadata, seqs: list[int]) -> _NativeMultiRowBatch:
+    cu = md.cu_seqlens_q_cpu
+    dev = md.block_tables.device
+    query_start = torch.tensor([0] + [cu[s + 1] - cu[s] for s in seqs], dtype=torch.int64).cumsum(0).to(dev)
+    if len(seqs) == md.num_seqs:          # every sequence has several rows: all rows, in order
+        return _NativeMultiRowBatch(None, md.block_tables, query_start, md.positions)
+    rows = torch.cat([torch.arange(cu[s], cu[s + 1]) for s in seqs]).to(dev)
+    return _NativeMultiRowBatch(rows, md.block_tables.index_select(0, torch.tensor(seqs, device=dev)),
+                                query_start, md.positions.index_select(0, rows))
+
+
 def build_plan(md: AttentionMetadata, block_size: int, num_kv_groups: int, dtype: torch.dtype,
-               native_single: bool) -> CpuAttentionPlan:
-    """`native_single`: one-row sequences go to cpu_kernels.decode_attention (else gathered SDPA)."""
+               native: bool) -> CpuAttentionPlan:
+    """`native`: one-row sequences go to cpu_kernels.decode_attention (else gathered SDPA), multi-row
+    ones to cpu_kernels.multi_row_attention (else GEMM row chunks)."""
     positions = md.positions.tolist()
     cu = md.cu_seqlens_q_cpu
-    single_rows, single_lens, single_seqs = [], [], []
+    single_rows, single_lens, single_seqs, multi_seqs = [], [], [], []
     multi: list[_MultiRowSeq] = []
     dev = md.block_tables.device          # the CPU normally; any device when used as the reference
     neg_inf = torch.tensor(float("-inf"), dtype=dtype, device=dev)
@@ -105,6 +129,8 @@ def build_plan(md: AttentionMetadata, block_size: int, num_kv_groups: int, dtype
             single_rows.append(q0)
             single_lens.append(positions[q0] + 1)
             single_seqs.append(s)
+        elif q1 > q0 and native:
+            multi_seqs.append(s)
         elif q1 > q0:
             rows_pos = positions[q0:q1]
             kmax = max(rows_pos) + 1
@@ -122,7 +148,7 @@ def build_plan(md: AttentionMetadata, block_size: int, num_kv_groups: int, dtype
                 chunks.append(_RowChunk(r0, r1, kend, mstart, bias))
             multi.append(_MultiRowSeq(_slots_of(md.block_tables[s], kmax, block_size), chunks))
     single = None
-    if single_rows and native_single:
+    if single_rows and native:
         if len(single_rows) == md.num_seqs:   # every sequence has one row: row s is sequence s's
             single = _SingleRowBatch(None, md.block_tables, md.positions)
         else:
@@ -137,7 +163,7 @@ def build_plan(md: AttentionMetadata, block_size: int, num_kv_groups: int, dtype
         # a padded key reads whatever slot the padded block-table entry points at: masked out
         slots = torch.where(mask.flatten(), slots.view(len(single_seqs), L).flatten(), 0)
         single = _GatheredSingleRowBatch(torch.tensor(single_rows, device=dev), slots, mask, L)
-    return CpuAttentionPlan(single, multi)
+    return CpuAttentionPlan(single, _native_multi(md, multi_seqs) if multi_seqs else multi)
 
 
 class TorchAttentionBackend:
@@ -185,7 +211,17 @@ class TorchAttentionBackend:
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)            # [num_slots, KVH, D]
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
 
-        if plan.multi:
+        if isinstance(plan.multi, _NativeMultiRowBatch):
+            b = plan.multi
+            if b.rows is None:
+                out = cpu_kernels.multi_row_attention(query, k_cache, v_cache, b.block_tables, b.query_start,
+                                                      b.positions, scale)
+            else:
+                out = torch.empty_like(query)
+                o = cpu_kernels.multi_row_attention(query.index_select(0, b.rows), k_cache, v_cache,
+                                                    b.block_tables, b.query_start, b.positions, scale)  # [R, H, D]
+                out.index_copy_(0, b.rows, o)
+        elif plan.multi:
             # queries KV-head-major once per layer, scale folded in: a chunk's rows are then one
             # contiguous [rows * groups, D] block per KV head (rows outer, groups inner)
             q_all = query.new_empty(num_kv_heads, query.shape[0], groups, head_dim)     # [KVH, T, G, D]

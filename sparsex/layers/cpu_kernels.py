@@ -1,5 +1,5 @@
 """Native CPU kernels for the decode hot path (`sparsex/csrc/cpu_kernels.cpp`): paged single-row
-attention, the KV store, RMSNorm (+ residual add), RoPE on q and k, SiLU·mul.
+attention, paged multi-row (flash-style) attention for prefill and sparse rows, the KV store, RMSNorm (+ residual add), RoPE on q and k, SiLU·mul.
 
 The extension is compiled at first use with `torch.utils.cpp_extension.load` (g++ -O3 -march=native
 -fopenmp, through ninja) into torch's extension directory (`$TORCH_EXTENSIONS_DIR`, default
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 ENV = "SPARSEX_NATIVE_KERNELS"
 DTYPES = (torch.bfloat16, torch.float32)
-ATTENTION_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)   # decode_attention is compiled for these
+ATTENTION_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)   # the attention kernels are compiled for these
 _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.cpp"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 
@@ -108,6 +108,21 @@ def decode_attention(
     """Softmax attention of each row over its sequence's keys, read straight from the paged cache.
     head_dim must be one of ATTENTION_HEAD_DIMS; num_heads a multiple of num_kv_heads (GQA)."""
     return _module().decode_attention(query, k_cache, v_cache, block_tables, positions, scale)
+
+
+def multi_row_attention(
+    query: torch.Tensor,          # [T, num_heads, head_dim], the rows of all sequences
+    k_cache: torch.Tensor,        # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,   # [S, max_blocks] int32
+    query_start: torch.Tensor,    # [S + 1] int64: rows of sequence s are query_start[s]:query_start[s+1]
+    positions: torch.Tensor,      # [T] int64: row t attends to keys 0..positions[t] of its sequence
+    scale: float,
+) -> torch.Tensor:                # [T, num_heads, head_dim], query dtype
+    """Softmax attention of every row over its sequence's keys in flash-style tiles (online softmax,
+    float32; scores are never materialised). Rows of a sequence may have any positions (sparse rows).
+    head_dim must be one of ATTENTION_HEAD_DIMS; num_heads a multiple of num_kv_heads (GQA)."""
+    return _module().multi_row_attention(query, k_cache, v_cache, block_tables, query_start, positions, scale)
 
 
 def store_kv(
