@@ -416,20 +416,28 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, c
   });
 }
 
+// Shared checks of the attention kernels: query [N, H, D] and matching paged caches
+// [num_blocks, block_size, KVH, D] of the query's dtype, H a multiple of KVH.
+static void check_attention_inputs(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  check_float(query, "query");
+  check_same_dtype(k_cache, query, "k_cache");
+  check_same_dtype(v_cache, query, "v_cache");
+  TORCH_CHECK_VALUE(query.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+                    "expected query [rows, H, D] and caches [blocks, block_size, KVH, D], got ", query.sizes(),
+                    ", ", k_cache.sizes(), ", ", v_cache.sizes());
+  TORCH_CHECK_VALUE(k_cache.size(3) == query.size(2), "head_dim ", query.size(2), " does not match the cache's ",
+                    k_cache.size(3));
+  TORCH_CHECK_VALUE(k_cache.size(2) > 0 && query.size(1) % k_cache.size(2) == 0, "num_heads ", query.size(1),
+                    " is not a multiple of num_kv_heads ", k_cache.size(2));
+}
+
 // query [S, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables [S, max_blocks]
 // int32; positions [S] int64 (row s sees keys 0..positions[s] of its sequence).
 // Returns [S, H, D] in the query dtype.
 at::Tensor decode_attention(const at::Tensor& query_in, const at::Tensor& k_cache_in, const at::Tensor& v_cache_in,
                             const at::Tensor& block_tables_in, const at::Tensor& positions_in, double scale) {
-  check_float(query_in, "query");
-  check_same_dtype(k_cache_in, query_in, "k_cache");
-  check_same_dtype(v_cache_in, query_in, "v_cache");
-  TORCH_CHECK_VALUE(query_in.dim() == 3 && k_cache_in.dim() == 4 && k_cache_in.sizes() == v_cache_in.sizes(),
-                    "expected query [S, H, D] and caches [blocks, block_size, KVH, D], got ", query_in.sizes(),
-                    ", ", k_cache_in.sizes(), ", ", v_cache_in.sizes());
+  check_attention_inputs(query_in, k_cache_in, v_cache_in);
   const int64_t S = query_in.size(0), H = query_in.size(1), D = query_in.size(2), KVH = k_cache_in.size(2);
-  TORCH_CHECK_VALUE(k_cache_in.size(3) == D, "head_dim ", D, " does not match the cache's ", k_cache_in.size(3));
-  TORCH_CHECK_VALUE(KVH > 0 && H % KVH == 0, "num_heads ", H, " is not a multiple of num_kv_heads ", KVH);
   TORCH_CHECK_VALUE(block_tables_in.device().is_cpu() && block_tables_in.scalar_type() == at::kInt &&
                     block_tables_in.dim() == 2 && block_tables_in.size(0) == S,
                     "block_tables must be [", S, ", max_blocks] int32, got ", block_tables_in.sizes(), " ",
@@ -740,15 +748,8 @@ void multi_row_attention_impl(const at::Tensor& query, const at::Tensor& k_cache
 at::Tensor multi_row_attention(const at::Tensor& query_in, const at::Tensor& k_cache_in,
                                const at::Tensor& v_cache_in, const at::Tensor& block_tables_in,
                                const at::Tensor& query_start_in, const at::Tensor& positions_in, double scale) {
-  check_float(query_in, "query");
-  check_same_dtype(k_cache_in, query_in, "k_cache");
-  check_same_dtype(v_cache_in, query_in, "v_cache");
-  TORCH_CHECK_VALUE(query_in.dim() == 3 && k_cache_in.dim() == 4 && k_cache_in.sizes() == v_cache_in.sizes(),
-                    "expected query [T, H, D] and caches [blocks, block_size, KVH, D], got ", query_in.sizes(),
-                    ", ", k_cache_in.sizes(), ", ", v_cache_in.sizes());
+  check_attention_inputs(query_in, k_cache_in, v_cache_in);
   const int64_t T = query_in.size(0), H = query_in.size(1), D = query_in.size(2), KVH = k_cache_in.size(2);
-  TORCH_CHECK_VALUE(k_cache_in.size(3) == D, "head_dim ", D, " does not match the cache's ", k_cache_in.size(3));
-  TORCH_CHECK_VALUE(KVH > 0 && H % KVH == 0, "num_heads ", H, " is not a multiple of num_kv_heads ", KVH);
   TORCH_CHECK_VALUE(block_tables_in.device().is_cpu() && block_tables_in.scalar_type() == at::kInt &&
                     block_tables_in.dim() == 2, "block_tables must be [S, max_blocks] int32, got ",
                     block_tables_in.sizes(), " ", block_tables_in.scalar_type());
