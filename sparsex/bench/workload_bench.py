@@ -287,7 +287,7 @@ class PlanRecorder:
 
     def __init__(self, engine: LLMEngine):
         self.spans: list[tuple[int, int]] = []
-        self.approx_prefix_tokens = 0
+        self.prefix_hit = 0           # exact + approximate-chain prefix hit the plan started after
         blender = engine.runner.blender
         if blender is None:
             return
@@ -295,7 +295,7 @@ class PlanRecorder:
 
         def recording_plan(req, num_prefix_hit):
             result = plan(req, num_prefix_hit)
-            self.approx_prefix_tokens = req.num_approx_prefix_tokens
+            self.prefix_hit = num_prefix_hit
             self.spans = [] if result is None else [(s.start, s.end) for s, _ in result.hits]
             return result
 
@@ -486,13 +486,13 @@ def replay_policy(cfg: WorkloadBenchConfig, policy: Policy, timed: LLMEngine, pl
         rag = req.workload == "rag"
         # timed run: the plain request, alone, to completion
         st0 = timed.stats()
-        plans.spans, plans.approx_prefix_tokens = [], 0
+        plans.spans, plans.prefix_hit = [], 0
         params = SamplingParams(temperature=0, max_tokens=cfg.answer_tokens if rag else 1)
         out, _ = run_to_completion(timed, prompt, params, reuse=reuse)
         st1 = timed.stats()
         cached, reused, rec_n = out.num_cached_tokens, out.num_reused_tokens, out.num_recomputed_tokens
         spans = plans.spans if reused else []
-        approx = plans.approx_prefix_tokens if reused else 0
+        approx = plans.prefix_hit - cached if reused else 0       # the approximate chain's share
         if sum(e - s for s, e in spans) + approx != reused:
             raise RuntimeError(f"{policy.name}/{req.request_id}: recorded spans cover "
                                f"{sum(e - s for s, e in spans)} + {approx} tokens, the engine reused {reused}")

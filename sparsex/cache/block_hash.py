@@ -39,20 +39,25 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: tuple[int, ...], extr
 APPROXIMATE_KV = ("kv", "blended")
 
 
-def compute_block_hashes(token_ids: list[int], block_size: int, cache_salt: str | None,
-                         parent: BlockHash | None = None, start: int = 0,
-                         approximate: bool = False) -> list[BlockHash]:
-    """Hashes of the full blocks of `token_ids[start:]` (start is block-aligned), chained from `parent`.
-    The salt is an extra key of the first block only: every later hash inherits it through the chain.
-    `approximate` puts every block on the approximate chain (`APPROXIMATE_KV`)."""
-    hashes = []
+def iter_block_hashes(token_ids: list[int], block_size: int, cache_salt: str | None,
+                      parent: BlockHash | None = None, start: int = 0, approximate: bool = False):
+    """Hashes of the full blocks of `token_ids[start:]` (start is block-aligned), chained from `parent`,
+    one at a time (a lookup that misses stops hashing). The salt is an extra key of the first block
+    only: every later hash inherits it through the chain. `approximate` puts every block on the
+    approximate chain (`APPROXIMATE_KV`)."""
     for i in range(start, len(token_ids) - block_size + 1, block_size):
         extra = (("cache_salt", cache_salt),) if (i == 0 and cache_salt is not None) else ()
         if approximate:
             extra += (APPROXIMATE_KV,)
         parent = hash_block_tokens(parent, tuple(token_ids[i:i + block_size]), extra)
-        hashes.append(parent)
-    return hashes
+        yield parent
+
+
+def compute_block_hashes(token_ids: list[int], block_size: int, cache_salt: str | None,
+                         parent: BlockHash | None = None, start: int = 0,
+                         approximate: bool = False) -> list[BlockHash]:
+    """All of `iter_block_hashes`."""
+    return list(iter_block_hashes(token_ids, block_size, cache_salt, parent, start, approximate))
 
 
 def token_bytes(token_ids) -> bytes:

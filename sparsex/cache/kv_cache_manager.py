@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from sparsex.cache.block_hash import BlockHash, compute_block_hashes
+from sparsex.cache.block_hash import BlockHash, compute_block_hashes, iter_block_hashes
 from sparsex.cache.block_pool import BlockPool, KVCacheBlock
 from sparsex.engine.request import Request
 
@@ -71,16 +71,12 @@ class KVCacheManager:
         max_hit_blocks = (req.num_tokens - 1) // self.block_size
         if start >= max_hit_blocks:
             return []
-        bs = self.block_size
-        parent_hash = req.block_hashes[start - 1] if start > 0 else None
         parent = exact_hits[-1] if exact_hits else None
-        tokens = req.all_token_ids
         hits: list[KVCacheBlock] = []
-        for i in range(start, max_hit_blocks):              # hashed one by one: most lookups miss at once
-            (parent_hash,) = compute_block_hashes(tokens[i * bs:(i + 1) * bs], bs,
-                                                  req.cache_salt if i == 0 else None, parent=parent_hash,
-                                                  approximate=True)
-            block = self.pool.lookup(parent_hash, parent)
+        for block_hash in iter_block_hashes(req.all_token_ids[: max_hit_blocks * self.block_size], self.block_size,
+                                            req.cache_salt, parent=req.block_hashes[start - 1] if start else None,
+                                            start=start * self.block_size, approximate=True):
+            block = self.pool.lookup(block_hash, parent)
             if block is None:
                 break
             hits.append(block)

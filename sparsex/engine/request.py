@@ -61,7 +61,6 @@ class Request:
     reuse_plan: object | None = None          # segment.blender.ReusePlan, locked until its forward ran
     exact_prefix_len: int | None = None       # KV at positions >= this is approximate (blended)
     approx_block_hashes: list[BlockHash] = field(default_factory=list)   # approximate chain from block exact_prefix_len // block_size
-    num_approx_prefix_tokens: int = 0         # approximate-chain prefix hit of the (last) admission
     segments_registered: bool = False
     query_horizon: int | None = None          # evaluation only: new rows at/after it are teacher-forced
                                               # continuation, hidden from query-side selection signals

@@ -100,7 +100,6 @@ class Scheduler:
             if self.segment_planner is not None and req.approx_prefix_enabled:
                 approx_hits = self.kv.get_approx_blocks(req, hits)
             num_approx = len(approx_hits) * self.kv.block_size
-            req.num_approx_prefix_tokens = num_approx
             plan = None
             if self.segment_planner is not None and req.reuse is not None:
                 plan = self.segment_planner.plan(req, num_hit + num_approx)
