@@ -15,6 +15,8 @@ Sections (each prints a table; all numbers of a table come from this one process
   blend    TTFT of RAG-like prompts (system + k passages x 512 tokens + question) whose passages were
            cached by an earlier prompt in another order: cache="sparsex" (full_layers=2,
            recompute_ratio=0.15, default selector) vs "none" vs "prefix", with a CUDA-event breakdown.
+  blendprof  one blended request at 16 and 64 passages (8k and 32k tokens): host time per engine phase and the GPU
+           timeline (busy, idle, largest gaps) from torch.profiler.
   smol     SmolLM2-135M (real weights, needs the staged GGUF): fp32 greedy tokens vs the CPU path
            (tests/data/smollm2_greedy_cpu.json) and vs transformers on the GPU; bf16 teacher-forced
            top-1 agreement with fp32.
@@ -583,6 +585,79 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM) -> None:
     RESULTS["blend"] = out
 
 
+def _gpu_timeline(prof) -> dict:
+    """Kernel intervals of a torch.profiler run -> busy time, idle gaps inside the span, largest gaps."""
+    ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not ks:
+        return {"kernels": 0}
+    busy, gaps, end, prev = 0.0, [], ks[0][0], ks[0][2]
+    for a, b, name in ks:
+        if a > end:
+            gaps.append((a - end, prev, name))
+        busy += max(0.0, b - max(a, end))
+        if b > end:
+            end, prev = b, name
+    gaps.sort(reverse=True)
+    return {"kernels": len(ks), "span_ms": (end - ks[0][0]) / 1e3, "busy_ms": busy / 1e3,
+            "idle_ms": sum(g for g, _, _ in gaps) / 1e3,
+            "largest_gaps": [(round(g / 1e3, 3), a[:40], b[:40]) for g, a, b in gaps[:6]]}
+
+
+def section_blend_profile(llm_sx: LLM) -> None:
+    """Where a blended request's TTFT goes on the host and whether the GPU waits for it: host time per
+    engine phase (wrapped methods), and the GPU timeline of the same request (torch.profiler, a
+    separate repetition so the profiler's overhead stays out of the host numbers)."""
+    import collections
+    eng = llm_sx.llm_engine
+    runner, b = eng.runner, eng.runner.blender
+    phases: dict[str, float] = collections.defaultdict(float)
+    wrapped = []
+
+    def wrap(obj, name: str, label: str) -> None:
+        f = getattr(obj, name)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                phases[label] += 1e3 * (time.perf_counter() - t)
+        setattr(obj, name, timed)
+        wrapped.append((obj, name))
+    for obj, name, label in ((eng, "add_request", "add_request"), (eng.scheduler, "schedule", "schedule (plan)"),
+                             (runner, "execute", "runner.execute"), (b, "prepare", "  blender.prepare"),
+                             (b, "_probe", "  probe (host)"), (b, "select", "  select (host)"),
+                             (runner.model, "forward", "  model.forward (host)"), (b, "after_step", "after_step"),
+                             (eng.kv, "cache_blocks", "cache_blocks"), (eng.kv, "cache_approx_blocks", "cache_approx_blocks")):
+        wrap(obj, name, label)
+    sys_ids, plen, rows, out = rand_ids(40), SIZES["passage_len"], [], []
+    for k in sorted({SIZES["passages"][1], SIZES["passages"][-1]}):
+        passages = [rand_ids(plen) for _ in range(k)]
+        prompt = lambda r, q: {"segments": [sys_ids] + [passages[(i + r) % k] for i in range(k)] + [q]}
+        llm_sx.reset_cache()
+        _ttft(llm_sx, prompt(0, rand_ids(48)), f"bp-prime{k}")
+        _ttft(llm_sx, prompt(1, rand_ids(48)), f"bp-warm{k}")
+        phases.clear()
+        walls = [_ttft(llm_sx, prompt(r, rand_ids(48)), f"bp{k}-{r}")[0] for r in (2, 3, 4)]
+        host = {key: v / 3 for key, v in phases.items()}
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            _ttft(llm_sx, prompt(5, rand_ids(48)), f"bp{k}-prof")
+        tl = _gpu_timeline(prof)
+        wall = 1e3 * statistics.median(walls)
+        out.append({"passages": k, "wall_ms": wall, "host_ms": host, "gpu": tl})
+        log(f"blendprof {k}: {out[-1]}")
+        rows.append([f"{k} x {plen}", f"{wall:.1f}", " / ".join(f"{key.strip()} {v:.1f}" for key, v in host.items()),
+                     f"{tl.get('span_ms', 0):.1f} / {tl.get('busy_ms', 0):.1f} / {tl.get('idle_ms', 0):.1f}",
+                     str(tl.get("largest_gaps", [])[:3])])
+    for obj, name in wrapped:
+        delattr(obj, name)
+    table("Blended prefill: host phases (ms, mean of 3) and the GPU timeline of one profiled request",
+          ["prompt", "TTFT ms", "host phases ms", "GPU span / busy / idle ms", "largest GPU gaps (ms, before, after)"], rows)
+    RESULTS["blend_profile"] = out
+
+
 # ------------------------------------------------------------------------------ SmolLM2 (real weights)
 def section_smol() -> None:
     from transformers import AutoModelForCausalLM
@@ -678,7 +753,7 @@ def main() -> None:
     try:
         if "smol" in sections:
             section_smol()
-        if any(s in sections for s in ("ceil", "prefill", "decode", "decodeprof", "blend")):
+        if any(s in sections for s in ("ceil", "prefill", "decode", "decodeprof", "blend", "blendprof")):
             ceil = section_ceil()
             llm_none = make_llm("none", 20 if DEV.type == "cuda" else 0.05)
             hf = None
@@ -696,6 +771,10 @@ def main() -> None:
                 llm_prefix = make_llm("prefix", 6 if DEV.type == "cuda" else 0.05, share_from=llm_none)
                 llm_sx = make_llm("sparsex", 10 if DEV.type == "cuda" else 0.05, share_from=llm_none)
                 section_blend(llm_none, llm_prefix, llm_sx)
+            if "blendprof" in sections:
+                llm_sx = llm_sx if "blend" in sections else make_llm("sparsex", 10 if DEV.type == "cuda" else 0.05,
+                                                                      share_from=llm_none)
+                section_blend_profile(llm_sx)
     finally:
         if OUT:
             with open(os.path.join(OUT, "gpu_engine.json"), "w") as f:

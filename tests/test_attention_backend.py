@@ -111,3 +111,14 @@ def test_select_rows_gets_a_fresh_plan():
     assert sub.backend_plan is None
     part = TorchAttentionBackend.attention(query[keep], k_cache, v_cache, sub, 0.25)
     torch.testing.assert_close(part, full[keep], atol=1e-5, rtol=0)
+
+
+def test_select_rows_with_given_counts_matches_the_derived_ones():
+    md = _metadata([list(range(6)), list(range(10))], [6, 10], [[0, 1], [2, 3, 4]])
+    keep = torch.tensor([1, 4, 6, 9, 15])
+    derived = md.select_rows(keep)
+    given = md.select_rows(keep, [2, 3])
+    assert derived.cu_seqlens_q_cpu == given.cu_seqlens_q_cpu == [0, 2, 5]
+    assert derived.max_seqlen_q == given.max_seqlen_q == 3
+    with pytest.raises(ValueError, match="rows_per_seq"):
+        md.select_rows(keep, [3, 3])

@@ -56,10 +56,7 @@ def test_prefix_hit_needs_same_tokens_salt_and_parent():
 
 def test_forced_hash_collision_never_reuses(monkeypatch):
     kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
-    def colliding(parent, token_ids, extra_keys=()):
-        return bh.BlockHash(b"\x01" * 16, token_ids, extra_keys)   # every block hashes alike
-
-    monkeypatch.setattr(bh, "hash_block_tokens", colliding)
+    monkeypatch.setattr(bh, "_digest", lambda *a: b"\x01" * 16)     # every block hashes alike
     r1 = _req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     assert kv.allocate_slots(r1, 9)
     r1.num_computed_tokens = 9
@@ -123,3 +120,34 @@ def test_allocation_recounts_hit_blocks_released_by_reclaim():
     kv.pool.free_blocks(holder)
     assert kv.allocate_slots(b, 4, hits)                   # with the holder gone it fits
     kv.pool.check_integrity({blk.block_id: 1 for blk in b.blocks})
+
+
+@pytest.mark.parametrize("salt,approximate", [(None, False), ("tenant-a", False), ("tenant-a", True)])
+def test_chunked_chain_hashing_equals_block_by_block(salt, approximate):
+    """iter_block_hashes converts tokens to bytes a chunk at a time; the chain must be the one
+    hash_block_tokens gives block by block, across chunk edges, from any block-aligned start."""
+    tokens = [(7919 * i) % 50_000 for i in range(16 * 150 + 5)]      # 150 full blocks, a partial one
+    extra = lambda i: (((("cache_salt", salt),) if i == 0 and salt else ()) + ((bh.APPROXIMATE_KV,) if approximate else ()))
+    ref, parent = [], None
+    for i in range(150):
+        parent = bh.hash_block_tokens(parent, tuple(tokens[16 * i:16 * i + 16]), extra(i))
+        ref.append(parent)
+    assert bh.compute_block_hashes(tokens, 16, salt, approximate=approximate) == ref
+    tail = bh.compute_block_hashes(tokens, 16, salt, parent=ref[69], start=70 * 16, approximate=approximate)
+    assert tail == ref[70:]
+    assert len({h.value for h in ref}) == 150
+
+
+def test_prefix_lookup_hashes_only_what_it_needs():
+    kv = KVCacheManager(num_blocks=400, block_size=16, enable_prefix_caching=True)
+    a = _req("a", list(range(16 * 200)))
+    assert kv.allocate_slots(a, a.num_tokens)
+    a.num_computed_tokens = a.num_tokens
+    kv.cache_blocks(a, num_exact_tokens=16 * 3)           # only the first 3 blocks are exact
+    assert len(a.block_hashes) == 3
+    b = _req("b", list(range(16 * 3)) + [9] * (16 * 197))
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 16 * 3 and hits == a.blocks[:3]
+    assert len(b.block_hashes) < 40                       # not all 200: hashing stopped near the miss
+    kv.cache_blocks(a, num_exact_tokens=a.num_tokens)
+    assert len(a.block_hashes) == 200

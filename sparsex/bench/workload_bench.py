@@ -98,6 +98,9 @@ class WorkloadBenchConfig:
     fidelity_every: int = 1              # fidelity on requests 0, N, 2N, ...; 0 = no fidelity
     answer_tokens: int = 32              # rag: greedy answer length cap (EOS stops it earlier)
     num_blocks: int | None = None        # KV pool per engine; default: the whole workload fits
+    # rag: before each policy's replay, prefill every passage the workload uses once (after the system
+    # head), untimed, as a service that ingests its corpus ahead of queries: the steady state
+    prewarm: bool = False
     out: str = "workload_bench_out"
     plot_dir: str | None = None          # default: --out
     progress: bool = True
@@ -111,6 +114,8 @@ class WorkloadBenchConfig:
             raise ValueError(f"fidelity_every must be an integer >= 0, got {self.fidelity_every!r}")
         if self.num_blocks is not None:
             _positive("num_blocks", self.num_blocks)
+        if self.prewarm and self.workload != "rag":
+            raise ValueError(f"prewarm ingests the rag corpus; got workload {self.workload!r}")
         p = self.params
         for name in ("queries", "k", "num_passages", "users", "turns", "context_budget", "num_topics", "sessions",
                      "results_per_call", "num_docs"):
@@ -543,17 +548,36 @@ class TokenizedWorkload:
     flops: FlopModel
     block_size: int
     tokenizer: Any
+    warm_prompts: list[TokenizedPrompt] = field(default_factory=list)   # rag prewarm: head + one passage
 
 
-def _tokenized_workload(engines: EngineCache, make: Callable[[Any], list[Request]]) -> TokenizedWorkload:
+def _tokenized_workload(engines: EngineCache, make: Callable[[Any], list[Request]],
+                        prewarm: bool = False) -> TokenizedWorkload:
     """The workload built with a one-block engine's tokenizer: only the tokenizer and the model's
     shape are needed, and the KV pools are sized from the prompts."""
     from sparsex.bench.fidelity import pieces_prompt
     probe, _ = engines.take("none", "timed", 1, warm=False)
     requests = make(probe.tokenizer)
     prompts = [pieces_prompt(probe, r.segments, [True] * len(r.segments)) for r in requests]
+    warm = []
+    if prewarm:       # rag: segments = [system head, passages..., question]; each distinct passage once
+        seen: set[str] = set()
+        for r in requests:
+            for passage in r.segments[1:-1]:
+                if passage not in seen:
+                    seen.add(passage)
+                    warm.append(pieces_prompt(probe, [r.segments[0], passage, "\n"], [True] * 3))
     return TokenizedWorkload(requests, prompts, FlopModel.from_config(probe.model_config),
-                             probe.config.block_size, probe.tokenizer)
+                             probe.config.block_size, probe.tokenizer, warm)
+
+
+def _prewarm(engine: LLMEngine, prompts: list[TokenizedPrompt]) -> None:
+    """Ingest the corpus: one untimed prefill per passage (its KV is then a segment, and for
+    prefix caching the head + passage blocks are cached)."""
+    from sparsex.bench.fidelity import run_to_completion
+    from sparsex.sampling_params import SamplingParams
+    for prompt in prompts:
+        run_to_completion(engine, prompt, SamplingParams(temperature=0, max_tokens=1))
 
 
 def _pool_blocks(prompts: list[TokenizedPrompt], extra: int, block_size: int, whole: bool) -> int:
@@ -576,7 +600,7 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
     env = environment(cfg.model, cfg.dtype)
     t_start = time.time()
 
-    w = _tokenized_workload(engines, lambda tok: build_workload(cfg, tok))
+    w = _tokenized_workload(engines, lambda tok: build_workload(cfg, tok), prewarm=cfg.prewarm)
     requests, prompts, flops, bs = w.requests, w.prompts, w.flops, w.block_size
     if own:
         engines.release("none")
@@ -595,7 +619,7 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
     if own:
         engines.release("none")
 
-    whole = _pool_blocks(prompts, extra, bs, whole=True)
+    whole = _pool_blocks(prompts + w.warm_prompts, extra, bs, whole=True)
     num_blocks = cfg.num_blocks or min(whole, _MAX_AUTO_BLOCKS)
     if num_blocks < whole:
         # then cached blocks get evicted, and the twin (which holds a few more blocks per request)
@@ -607,6 +631,9 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
         for policy in group:
             timed, plans = engines.take(cache, "timed", num_blocks)
             twin = engines.take(cache, "twin", num_blocks)[0] if any(fid) else None
+            for engine in (timed, twin) if cfg.prewarm else ():
+                if engine is not None:
+                    _prewarm(engine, w.warm_prompts)
             records += replay_policy(cfg, policy, timed, plans, twin, requests, prompts, refs, fid, flops)
             del timed, plans, twin
         if own:
@@ -620,7 +647,8 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
     for s in summaries:
         s.ttft_speedup = (base.ttft_mean_ms / s.ttft_mean_ms) if base and s.ttft_mean_ms > 0 else None
     env.update(wall_seconds=round(time.time() - t_start, 1), load_avg_end=_loadavg(), num_blocks=num_blocks,
-               workload_blocks=whole, num_requests=len(requests), fidelity_requests=sum(fid))
+               workload_blocks=whole, num_requests=len(requests), fidelity_requests=sum(fid),
+               prewarm_prompts=len(w.warm_prompts))
     write_outputs(cfg.out, cfg, policies, records, summaries, env)
     stem = os.path.join(cfg.plot_dir or cfg.out, f"workload_{cfg.workload}{'_sweep' if cfg.sweep else ''}")
     plot_pareto(summaries, stem + "_pareto.png", cfg, env)
@@ -719,7 +747,8 @@ def write_outputs(out: str, cfg: WorkloadBenchConfig, policies: list[Policy], re
         json.dump({**meta, "summary": [asdict(s) for s in summaries]}, f, indent=1)
     _write_csv(os.path.join(out, "summary.csv"), [asdict(s) for s in summaries])
     with open(os.path.join(out, "summary.md"), "w") as f:
-        f.write(f"{cfg.workload}: {env['num_requests']} requests, fidelity on {env['fidelity_requests']} "
+        warm = f" after ingesting {env['prewarm_prompts']} passages (untimed)" if cfg.prewarm else ""
+        f.write(f"{cfg.workload}: {env['num_requests']} requests{warm}, fidelity on {env['fidelity_requests']} "
                 f"({cfg.fidelity_tokens} teacher-forced tokens); {env['model']} {env['dtype']}, "
                 f"{env['torch_threads']} thread(s), {env['cpu']}, load {env['load_avg_start']:.1f}→"
                 f"{env['load_avg_end']:.1f}\n\n")
@@ -1063,6 +1092,8 @@ def add_workload_bench_parser(subparsers: argparse._SubParsersAction) -> argpars
     g.add_argument("--fidelity-every", type=int, default=1, help="fidelity on every Nth request (0: none)")
     g.add_argument("--answer-tokens", type=int, default=32, help="rag: greedy answer cap (EOS stops earlier)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool per engine (default: workload fits)")
+    g.add_argument("--prewarm", action="store_true",
+                   help="rag: ingest every passage once (untimed) before each policy's replay: the steady state")
     g = p.add_argument_group("workload size")
     d = WorkloadParams()
     g.add_argument("--queries", type=int, default=None,
@@ -1130,8 +1161,8 @@ def run_workload_bench_cli(args: argparse.Namespace) -> int:
     cfg = WorkloadBenchConfig(workload=args.workload, policies=args.policies, sweep=args.sweep, model=args.model,
                               dtype=args.dtype, params=params, fidelity_tokens=args.fidelity_tokens,
                               fidelity_every=args.fidelity_every, answer_tokens=args.answer_tokens,
-                              num_blocks=args.num_blocks, out=args.out, plot_dir=args.plot_dir,
-                              progress=not args.no_progress)
+                              num_blocks=args.num_blocks, prewarm=args.prewarm, out=args.out,
+                              plot_dir=args.plot_dir, progress=not args.no_progress)
     if args.peer is not None:
         return run_peer(cfg, args.peer_python)
     summaries = run_workload_bench(cfg)

@@ -38,25 +38,29 @@ class KVCacheManager:
         self.approx_prefix_hits = 0     # tokens served from the approximate chain
 
     # ---- prefix cache -----------------------------------------------------------------------
-    def update_block_hashes(self, req: Request) -> None:
-        """Extend the request's hash chain over its full blocks (prompt and generated tokens)."""
-        n_full = req.num_tokens // self.block_size
-        if len(req.block_hashes) < n_full:
-            parent = req.block_hashes[-1] if req.block_hashes else None
+    def hash_blocks(self, req: Request, num_blocks: int) -> None:
+        """Extend the request's exact hash chain over its first `num_blocks` full blocks (at most the
+        full blocks it has). Hashes are made when first needed: a blended request only ever needs
+        those of its exact prefix, and hashing a 32k-token prompt is milliseconds on the TTFT path."""
+        num_blocks = min(num_blocks, req.num_tokens // self.block_size)
+        have = len(req.block_hashes)
+        if have < num_blocks:
             req.block_hashes.extend(compute_block_hashes(
-                req.all_token_ids[: n_full * self.block_size], self.block_size, req.cache_salt,
-                parent=parent, start=len(req.block_hashes) * self.block_size))
+                req.all_token_ids[: num_blocks * self.block_size], self.block_size, req.cache_salt,
+                parent=req.block_hashes[-1] if have else None, start=have * self.block_size))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest verified prefix hit. At least one token is always left to compute (its logits are needed)."""
         if not self.enable_prefix_caching:
             return [], 0
-        self.update_block_hashes(req)
         max_hit_blocks = (req.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         parent = None
-        for block_hash in req.block_hashes[:max_hit_blocks]:
-            block = self.pool.lookup(block_hash, parent)
+        while len(hits) < max_hit_blocks:
+            i = len(hits)
+            if i >= len(req.block_hashes):
+                self.hash_blocks(req, min(max_hit_blocks, 2 * i + 16))   # hash ahead, doubling
+            block = self.pool.lookup(req.block_hashes[i], parent)
             if block is None:
                 break
             hits.append(block)
@@ -116,8 +120,8 @@ class KVCacheManager:
         """Register the request's full blocks below `num_exact_tokens` (already computed, exact KV)."""
         if not self.enable_prefix_caching:
             return
-        self.update_block_hashes(req)
         n = min(num_exact_tokens, req.num_computed_tokens) // self.block_size
+        self.hash_blocks(req, n)
         parent = None
         for i in range(min(n, len(req.block_hashes), len(req.blocks))):
             block = req.blocks[i]
@@ -135,7 +139,7 @@ class KVCacheManager:
         done = start + len(req.approx_block_hashes)
         if done >= n_full:
             return
-        self.update_block_hashes(req)
+        self.hash_blocks(req, start)
         parent: BlockHash | None
         if req.approx_block_hashes:
             parent = req.approx_block_hashes[-1]

@@ -13,8 +13,9 @@ from sparsex.layers.attention_metadata import AttentionMetadata
 class RowSelector(Protocol):
     layers: frozenset[int]   # layer indices before which rows are selected
 
-    def __call__(self, layer_idx: int, ctx: "ForwardContext") -> torch.Tensor | None:
-        """Row indices (sorted, int64) to keep from here on, or None to keep all."""
+    def __call__(self, layer_idx: int, ctx: "ForwardContext") -> tuple[torch.Tensor, list[int]] | None:
+        """Row indices (sorted, int64) to keep from here on and how many rows each sequence keeps
+        (host ints, so building the sparse layers' metadata needs no device sync), or None: all."""
 
 
 # probe(layer_idx, q, k, v, k_cache, v_cache, ctx): called before this layer stores its K/V

@@ -39,13 +39,17 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
-    def select_rows(self, keep: torch.Tensor) -> "AttentionMetadata":
-        """Metadata for a subset of rows (`keep`: sorted int64 row indices), as SparseX's sparse layers need."""
-        keep_cpu = keep.cpu()
-        bounds = torch.tensor(self.cu_seqlens_q_cpu, dtype=torch.int64)
-        counts = torch.bucketize(keep_cpu, bounds[1:], right=True).bincount(minlength=self.num_seqs)
+    def select_rows(self, keep: torch.Tensor, rows_per_seq: list[int] | None = None) -> "AttentionMetadata":
+        """Metadata for a subset of rows (`keep`: sorted int64 row indices), as SparseX's sparse layers
+        need. `rows_per_seq` (how many kept rows fall in each sequence) spares a device sync when known."""
+        if rows_per_seq is None:
+            bounds = torch.tensor(self.cu_seqlens_q_cpu, dtype=torch.int64)
+            rows_per_seq = torch.bucketize(keep.cpu(), bounds[1:], right=True).bincount(minlength=self.num_seqs).tolist()
+        if len(rows_per_seq) != self.num_seqs or sum(rows_per_seq) != keep.shape[0]:
+            raise ValueError(f"rows_per_seq {rows_per_seq} does not match {keep.shape[0]} kept rows "
+                             f"over {self.num_seqs} sequences")
         cu = [0]
-        for c in counts.tolist():
+        for c in rows_per_seq:
             cu.append(cu[-1] + c)
         return AttentionMetadata(
             positions=self.positions[keep],

@@ -101,11 +101,12 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for i, layer in enumerate(self.layers):
             if ctx.row_selector is not None and i in ctx.row_selector.layers:
-                keep = ctx.row_selector(i, ctx)                          # indices into current rows
-                if keep is not None:
+                selection = ctx.row_selector(i, ctx)
+                if selection is not None:
+                    keep, rows_per_seq = selection                       # indices into current rows
                     hidden, positions = hidden[keep], positions[keep]
                     residual = residual[keep] if residual is not None else None
-                    ctx.attn_metadata = ctx.attn_metadata.select_rows(keep)
+                    ctx.attn_metadata = ctx.attn_metadata.select_rows(keep, rows_per_seq)
                     ctx.kept_rows = keep if ctx.kept_rows is None else ctx.kept_rows[keep]
             hidden, residual = layer(positions, hidden, residual, ctx)
         hidden, _ = self.norm(hidden, residual)

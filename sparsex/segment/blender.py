@@ -64,9 +64,15 @@ class _SeqBlend:
     reused_pos: torch.Tensor           # [R] absolute positions
     offsets: torch.Tensor              # [R] offset inside its segment
     seg_lo: torch.Tensor               # [R] position where its segment starts
-    num_segments: int = 1
+    seq_index: int                     # the sequence's index in the step
+    seg_lens: list[int]                # length of each reused segment (host copy: counts need no sync)
+    query_rows: torch.Tensor           # [<= _QUERY_ROWS] new rows whose attention sparse_q weighs
     scores: torch.Tensor | None = None
     selected: int = 0
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.seg_lens)
 
 
 class Blender:
@@ -131,9 +137,9 @@ class Blender:
         cu = md.cu_seqlens_q_cpu
         dev = md.positions.device
         bs = self.block_size
-        src, dst, delta = [], [], []
         self._seqs = []
         t0 = time.perf_counter()
+        per_seq = []          # (seq index, plan, [7, R] int64 host plan)
         for si, s in enumerate(sched.scheduled):
             plan: ReusePlan | None = s.reuse_plan
             if plan is None:
@@ -141,22 +147,33 @@ class Blender:
             req = s.request
             row0, pos0 = cu[si], req.num_computed_tokens
             table = np.fromiter((b.block_id for b in req.blocks), dtype=np.int64, count=len(req.blocks))
-            rows, pos, offs, lo = [], [], [], []
-            for span, entry in plan.hits:
-                n = span.end - span.start
-                ep = np.arange(entry.start_pos, entry.start_pos + n)                  # where it was computed
-                eb = np.fromiter((b.block_id for b in entry.blocks), dtype=np.int64, count=len(entry.blocks))
-                src.append(eb[ep // bs - entry.start_pos // bs] * bs + ep % bs)
-                rp = np.arange(span.start, span.end)                                    # where it goes now
-                dst.append(table[rp // bs] * bs + rp % bs)
-                delta.append(np.full(n, span.start - entry.start_pos))
-                rows.append(rp - pos0 + row0)
-                pos.append(rp)
-                offs.append(np.arange(n))
-                lo.append(np.full(n, span.start))
-            t = lambda x: torch.from_numpy(np.concatenate(x)).to(dev)
-            self._seqs.append(_SeqBlend(req, plan.reuse, t(rows), t(pos), t(offs), t(lo), num_segments=len(plan.hits)))
-        src_t, dst_t, delta_t = (torch.from_numpy(np.concatenate(x)).to(dev) for x in (src, dst, delta))
+            # every reused row of every hit at once (vectorised over hits: 64 passages at 32k tokens
+            # made a per-hit loop of small numpy calls a few ms of host time before the GPU starts)
+            starts = np.array([span.start for span, _ in plan.hits], dtype=np.int64)       # new positions
+            lens = np.array([span.end - span.start for span, _ in plan.hits], dtype=np.int64)
+            old = np.array([entry.start_pos for _, entry in plan.hits], dtype=np.int64)   # computed at
+            seg = np.repeat(np.arange(len(lens)), lens)                                  # [R] hit of each row
+            offs = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)   # [R] offset in its hit
+            rp, ep = starts[seg] + offs, old[seg] + offs
+            entry_blocks = [entry.blocks for _, entry in plan.hits]
+            eb = np.fromiter((b.block_id for blocks in entry_blocks for b in blocks), dtype=np.int64,
+                             count=sum(map(len, entry_blocks)))
+            eb0 = np.cumsum([len(x) for x in entry_blocks]) - np.array([len(x) for x in entry_blocks])
+            src = eb[eb0[seg] + ep // bs - old[seg] // bs] * bs + ep % bs
+            dst = table[rp // bs] * bs + rp % bs
+            per_seq.append((si, plan, np.stack([src, dst, (starts - old)[seg], rp - pos0 + row0, rp, offs, starts[seg]]),
+                            self._query_rows(req, rp, pos0, row0, cu[si + 1] - cu[si])))
+        # one upload for the whole step: [7, R_total] = src slot, dst slot, delta, row, position, offset, segment start
+        host = np.concatenate([x[2] for x in per_seq], axis=1)
+        up = torch.from_numpy(host).to(dev)
+        src_t, dst_t, delta_t = up[0], up[1], up[2]
+        col = 0
+        for si, plan, h, query_rows in per_seq:
+            part = up[:, col:col + h.shape[1]]
+            col += h.shape[1]
+            self._seqs.append(_SeqBlend(sched.scheduled[si].request, plan.reuse, part[3], part[4], part[5], part[6],
+                                        seq_index=si, seg_lens=[span.end - span.start for span, _ in plan.hits],
+                                        query_rows=torch.from_numpy(query_rows).to(dev)))
         inv_freq = self.model.rotary.inv_freq
         if dev.type == "cuda":
             from sparsex.layers.triton_rerotate import copy_and_rerotate
@@ -170,6 +187,18 @@ class Blender:
         ctx.probe_layers = frozenset(probe_layers)
         ctx.probe = self._probe if probe_layers else None
         ctx.row_selector = _RowSelector(self, frozenset(b.reuse.full_layers for b in self._seqs))
+
+    @staticmethod
+    def _query_rows(req: Request, reused_pos: np.ndarray, pos0: int, row0: int, num_rows: int) -> np.ndarray:
+        """sparse_q's query side: the step's last new rows (the question and the template glue around
+        it), not every new row: passages that missed the cache are new rows too, and all of them
+        would make the score matrix [heads, new rows, keys] GBs for no better signal."""
+        step_pos = np.arange(pos0, pos0 + num_rows)
+        is_new = np.ones(num_rows, dtype=bool)
+        is_new[reused_pos - pos0] = False
+        if req.query_horizon is not None:
+            is_new &= step_pos < req.query_horizon
+        return np.flatnonzero(is_new)[-_QUERY_ROWS:] + row0
 
     def _current_rows(self, ctx: ForwardContext, rows: torch.Tensor) -> torch.Tensor:
         """Original row indices -> indices into the rows still present."""
@@ -208,21 +237,11 @@ class Blender:
     def _sparse_q_scores(self, b: _SeqBlend, cur, dev, q, k, k_cache, ctx) -> torch.Tensor:
         """Deviation weighted by query-side importance: how much the new tokens' queries (the
         user's question, the template glue) attend to each reused token at the probe layer."""
-        md = ctx.attn_metadata
-        si = _seq_index(md, int(cur[0]))
-        r0, r1 = md.cu_seqlens_q_cpu[si], md.cu_seqlens_q_cpu[si + 1]
-        is_new = torch.ones(r1 - r0, dtype=torch.bool, device=cur.device)
-        is_new[cur - r0] = False
-        pos = md.positions[r0:r1]
-        if b.request.query_horizon is not None:
-            is_new &= pos < b.request.query_horizon
-        # the query side is the prompt's tail (the question and the template glue around it): new
-        # passages that missed the cache are new rows too, and all of them would make the score
-        # matrix [heads, new rows, keys] (GBs at 4k rows x 4k keys) for no better signal
-        new_rows = (torch.nonzero(is_new).flatten() + r0)[-_QUERY_ROWS:]
-        if new_rows.numel() == 0:
+        if b.query_rows.numel() == 0:
             return dev
-        keys = self._sequence_keys(si, k, k_cache, ctx)                       # [n, KVH, D]
+        md = ctx.attn_metadata
+        new_rows = self._current_rows(ctx, b.query_rows)
+        keys = self._sequence_keys(b.seq_index, k, k_cache, ctx)             # [n, KVH, D]
         imp = selectors.query_attention_mass(q[new_rows], keys, md.positions[new_rows], q.shape[-1] ** -0.5)  # [n]
         imp = imp[b.reused_pos]
         variant = self.sparse_q_variant
@@ -232,45 +251,60 @@ class Blender:
             return imp
         return dev * (1.0 + imp / imp.mean().clamp_min(1e-12))
 
-    def select(self, layer_idx: int, ctx: ForwardContext) -> torch.Tensor | None:
+    def select(self, layer_idx: int, ctx: ForwardContext) -> tuple[torch.Tensor, list[int]] | None:
+        """Rows to keep from layer `layer_idx` on, and how many each sequence keeps; None: all.
+        Everything stays on the device except one host sync for the per-sequence counts (the
+        sparse layers' metadata needs them), so the GPU is never left idle while the host scores."""
         t0 = time.perf_counter()
-        num_rows = ctx.attn_metadata.positions.shape[0]
-        drop = torch.zeros(num_rows, dtype=torch.bool, device=ctx.attn_metadata.positions.device)
-        any_drop = False
+        md = ctx.attn_metadata
+        keep = None                                                          # [num_rows] bool
+        blends = []
         for b in self._seqs:
             if b.reuse.full_layers != layer_idx:
                 continue
-            r = b.reuse
-            n = b.reused_rows.numel()
-            if r.selector == "all":
-                keep_mask = torch.ones(n, dtype=torch.bool)
-            else:
-                k = int(round(r.recompute_ratio * n)) if r.selector != "none" else 0
-                if r.selector == "boundary":
-                    scores = selectors.boundary_scores(b.offsets)
-                elif r.selector == "random":
-                    scores = selectors.random_scores(n, self._gen)
-                elif r.selector == "none":
-                    scores = torch.zeros(n)
-                else:
-                    scores = b.scores.float().cpu()
-                keep_mask = torch.zeros(n, dtype=torch.bool)
-                if r.selector == "sparse_q" and self.boundary_share > 0 and k > 0:
-                    keep_mask |= _boundary_budget(b.offsets.cpu(), b.num_segments, int(round(self.boundary_share * k)))
-                    k -= int(keep_mask.sum())
-                    scores = scores.masked_fill(keep_mask, float("-inf"))
-                if k > 0:
-                    keep_mask[torch.topk(scores.cpu(), min(k, n)).indices] = True
-                if r.boundary_tokens > 0:
-                    keep_mask |= b.offsets.cpu() < r.boundary_tokens
-            b.selected = int(keep_mask.sum())
-            cur = self._current_rows(ctx, b.reused_rows)
-            drop[cur[~keep_mask.to(cur.device)]] = True
-            any_drop = any_drop or b.selected < n
-        self.selection_seconds += time.perf_counter() - t0
-        if not any_drop:
+            keep_reused = self._keep_mask(b)                                 # [R] bool
+            if keep is None:
+                keep = torch.ones(md.positions.shape[0], dtype=torch.bool, device=md.positions.device)
+            keep[self._current_rows(ctx, b.reused_rows)] = keep_reused
+            blends.append((b, keep_reused))
+        if keep is None:
             return None
-        return torch.nonzero(~drop).flatten()
+        counts = torch.stack([m.sum() for _, m in blends]).tolist()          # the one sync
+        rows_per_seq = [b - a for a, b in zip(md.cu_seqlens_q_cpu, md.cu_seqlens_q_cpu[1:])]
+        for (b, _), c in zip(blends, counts):
+            b.selected = c
+            rows_per_seq[b.seq_index] -= b.reused_rows.numel() - c
+        self.selection_seconds += time.perf_counter() - t0
+        if all(b.selected == b.reused_rows.numel() for b, _ in blends):
+            return None
+        return torch.nonzero(keep).flatten(), rows_per_seq
+
+    def _keep_mask(self, b: _SeqBlend) -> torch.Tensor:
+        """[R] bool on the rows' device: which reused rows of `b` are recomputed past layer F."""
+        r = b.reuse
+        n = b.reused_rows.numel()
+        dev = b.offsets.device
+        if r.selector == "all":
+            return torch.ones(n, dtype=torch.bool, device=dev)
+        keep = torch.zeros(n, dtype=torch.bool, device=dev)
+        k = int(round(r.recompute_ratio * n)) if r.selector != "none" else 0
+        if k > 0:
+            if r.selector == "boundary":
+                scores = selectors.boundary_scores(b.offsets)
+            elif r.selector == "random":
+                scores = selectors.random_scores(n, self._gen).to(dev)
+            else:
+                scores = b.scores.float()
+            if r.selector == "sparse_q" and self.boundary_share > 0:
+                per_segment = max(1, int(round(self.boundary_share * k)) // b.num_segments)
+                keep |= b.offsets < per_segment                              # the first tokens of every segment
+                k -= sum(min(per_segment, n_seg) for n_seg in b.seg_lens)
+                scores = scores.masked_fill(keep, float("-inf"))
+            if k > 0:
+                keep[torch.topk(scores, min(k, n)).indices] = True
+        if r.boundary_tokens > 0:
+            keep |= b.offsets < r.boundary_tokens
+        return keep
 
     # ---- bookkeeping ------------------------------------------------------------------------
     def after_step(self, req: Request, scheduled) -> None:
@@ -310,19 +344,6 @@ class _RowSelector:
         self.blender = blender
         self.layers = layers
 
-    def __call__(self, layer_idx: int, ctx: ForwardContext) -> torch.Tensor | None:
+    def __call__(self, layer_idx: int, ctx: ForwardContext) -> tuple[torch.Tensor, list[int]] | None:
         return self.blender.select(layer_idx, ctx)
 
-
-def _boundary_budget(offsets: torch.Tensor, num_segments: int, budget: int) -> torch.Tensor:
-    """The first tokens of every reused segment, spread evenly, about `budget` rows in all."""
-    per_segment = max(1, budget // max(1, num_segments))
-    return offsets < per_segment
-
-
-def _seq_index(md, row: int) -> int:
-    cu = md.cu_seqlens_q_cpu
-    for s in range(len(cu) - 1):
-        if cu[s] <= row < cu[s + 1]:
-            return s
-    raise IndexError(row)
