@@ -6,6 +6,7 @@ import pytest
 from sparsex.cache import block_hash as bh
 from sparsex.cache.block_pool import BlockPool
 from sparsex.cache.kv_cache_manager import KVCacheManager
+from sparsex.config import ReuseConfig
 from sparsex.engine.request import Request
 from sparsex.sampling_params import SamplingParams
 
@@ -151,3 +152,26 @@ def test_prefix_lookup_hashes_only_what_it_needs():
     assert len(b.block_hashes) < 40                       # not all 200: hashing stopped near the miss
     kv.cache_blocks(a, num_exact_tokens=a.num_tokens)
     assert len(a.block_hashes) == 200
+
+
+def test_hashing_ahead_registers_what_hashing_after_the_step_would():
+    """The engine hashes a step's blocks while the forward runs; the bookkeeping after it must
+    register exactly the blocks and hashes it registers without that (exact and approximate chain),
+    and a chain hashed ahead under a different exact prefix is redone, not reused."""
+    def run(ahead_exact):
+        kv = KVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=True)
+        r = _req("a", list(range(40)))
+        r.reuse = ReuseConfig()                          # accepts approximate KV (approx_prefix is on)
+        assert kv.allocate_slots(r, 40)
+        if ahead_exact is not False:
+            kv.hash_ahead(r, 40, ahead_exact)
+        r.num_computed_tokens, r.exact_prefix_len = 40, 10  # the step ran; KV from position 10 on is blended
+        kv.cache_blocks(r, 10)
+        kv.cache_approx_blocks(r)
+        kv.pool.check_integrity({b.block_id: 1 for b in r.blocks})
+        return {v: b.block_id for v, b in kv.pool.cached.items()}, len(r.block_hashes)
+    plain, _ = run(False)
+    ahead, n_exact = run(10)
+    assert ahead == plain and len(plain) == 10          # 2 exact blocks + 8 on the approximate chain
+    assert n_exact == 2                                 # no exact hash past the exact prefix was made
+    assert run(20)[0] == plain                          # hashed ahead from another start: redone

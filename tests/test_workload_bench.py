@@ -107,18 +107,20 @@ def test_rag_end_to_end(tmp_path, engines) -> None:
 @needs_smollm2
 def test_rag_prewarm_ingests_every_passage_before_the_replay(tmp_path, engines) -> None:
     # cold, a passage hits only from its second query on; after ingesting the corpus every passage
-    # of every query is a segment hit
+    # of every query is a segment (or prefix) hit
     kw = dict(queries=2, k=2, num_passages=4, passage_tokens=(60, 120), seed=1)
     cfg = wb.WorkloadBenchConfig(workload="rag", policies="none,prefix,naive", params=wb.WorkloadParams(**kw),
                                  out=str(tmp_path / "warm"), prewarm=True, **TINY)
     summaries = {s.policy: s for s in wb.run_workload_bench(cfg, engines)}
     records = json.loads((tmp_path / "warm" / "requests.json").read_text())["requests"]
     naive = [r for r in records if r["policy"] == "naive"]
-    assert all(r["segment_lookup_tokens"] > 0 and r["segment_hit_tokens"] == r["segment_lookup_tokens"] for r in naive)
+    # (a query that starts with the passages an ingestion prompt started with gets them as a prefix hit)
+    assert all(r["segment_hit_tokens"] == r["segment_lookup_tokens"] for r in naive)
+    assert sum(r["segment_lookup_tokens"] for r in naive) > 0
     cold = wb.WorkloadBenchConfig(workload="rag", policies="naive", params=wb.WorkloadParams(**kw),
                                   out=str(tmp_path / "cold"), **TINY)
-    cold_rate = {s.policy: s for s in wb.run_workload_bench(cold, engines)}["naive"].segment_hit_rate
-    assert cold_rate < summaries["naive"].segment_hit_rate
+    cold_naive = {s.policy: s for s in wb.run_workload_bench(cold, engines)}["naive"]
+    assert summaries["naive"].compute_share < cold_naive.compute_share     # more reused, less computed
     assert "after ingesting" in (tmp_path / "warm" / "summary.md").read_text()
     with pytest.raises(ValueError, match="prewarm"):
         wb.WorkloadBenchConfig(workload="chat", prewarm=True).verify()

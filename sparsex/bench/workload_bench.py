@@ -548,7 +548,7 @@ class TokenizedWorkload:
     flops: FlopModel
     block_size: int
     tokenizer: Any
-    warm_prompts: list[TokenizedPrompt] = field(default_factory=list)   # rag prewarm: head + one passage
+    warm_prompts: list[TokenizedPrompt] = field(default_factory=list)   # rag prewarm: head + k passages
 
 
 def _tokenized_workload(engines: EngineCache, make: Callable[[Any], list[Request]],
@@ -560,20 +560,23 @@ def _tokenized_workload(engines: EngineCache, make: Callable[[Any], list[Request
     requests = make(probe.tokenizer)
     prompts = [pieces_prompt(probe, r.segments, [True] * len(r.segments)) for r in requests]
     warm = []
-    if prewarm:       # rag: segments = [system head, passages..., question]; each distinct passage once
-        seen: set[str] = set()
-        for r in requests:
-            for passage in r.segments[1:-1]:
-                if passage not in seen:
-                    seen.add(passage)
-                    warm.append(pieces_prompt(probe, [r.segments[0], passage, "\n"], [True] * 3))
+    if prewarm:
+        # rag: segments = [system head, k passages, question]. Every distinct passage once, k to a prompt
+        # in first-use order, so each one's KV is computed after other passages, as in a query: KV of a
+        # passage encoded alone after the system head was measured to make every reuse policy far worse
+        # (docs/benchmarks.md, "steady state")
+        passages = list(dict.fromkeys(p for r in requests for p in r.segments[1:-1]))
+        head, k = requests[0].segments[0], max(1, len(requests[0].segments) - 2)
+        for i in range(0, len(passages), k):
+            chunk = passages[i:i + k]
+            warm.append(pieces_prompt(probe, [head, *chunk, "\n"], [True] * (len(chunk) + 2)))
     return TokenizedWorkload(requests, prompts, FlopModel.from_config(probe.model_config),
                              probe.config.block_size, probe.tokenizer, warm)
 
 
 def _prewarm(engine: LLMEngine, prompts: list[TokenizedPrompt]) -> None:
-    """Ingest the corpus: one untimed prefill per passage (its KV is then a segment, and for
-    prefix caching the head + passage blocks are cached)."""
+    """Ingest the corpus: untimed prefills of k passages each (their KV then serves as segments;
+    for prefix caching the head + first passage blocks are cached)."""
     from sparsex.bench.fidelity import run_to_completion
     from sparsex.sampling_params import SamplingParams
     for prompt in prompts:
@@ -747,7 +750,7 @@ def write_outputs(out: str, cfg: WorkloadBenchConfig, policies: list[Policy], re
         json.dump({**meta, "summary": [asdict(s) for s in summaries]}, f, indent=1)
     _write_csv(os.path.join(out, "summary.csv"), [asdict(s) for s in summaries])
     with open(os.path.join(out, "summary.md"), "w") as f:
-        warm = f" after ingesting {env['prewarm_prompts']} passages (untimed)" if cfg.prewarm else ""
+        warm = f" after ingesting the corpus in {env['prewarm_prompts']} prompts (untimed)" if cfg.prewarm else ""
         f.write(f"{cfg.workload}: {env['num_requests']} requests{warm}, fidelity on {env['fidelity_requests']} "
                 f"({cfg.fidelity_tokens} teacher-forced tokens); {env['model']} {env['dtype']}, "
                 f"{env['torch_threads']} thread(s), {env['cpu']}, load {env['load_avg_start']:.1f}→"
@@ -1093,7 +1096,7 @@ def add_workload_bench_parser(subparsers: argparse._SubParsersAction) -> argpars
     g.add_argument("--answer-tokens", type=int, default=32, help="rag: greedy answer cap (EOS stops earlier)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool per engine (default: workload fits)")
     g.add_argument("--prewarm", action="store_true",
-                   help="rag: ingest every passage once (untimed) before each policy's replay: the steady state")
+                   help="rag: ingest every passage once, k to a prompt (untimed), before each policy's replay: the steady state")
     g = p.add_argument_group("workload size")
     d = WorkloadParams()
     g.add_argument("--queries", type=int, default=None,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from sparsex.cache.block_hash import BlockHash, compute_block_hashes, iter_block_hashes
+from sparsex.cache.block_hash import compute_block_hashes, iter_block_hashes
 from sparsex.cache.block_pool import BlockPool, KVCacheBlock
 from sparsex.engine.request import Request
 
@@ -120,36 +120,58 @@ class KVCacheManager:
         """Register the request's full blocks below `num_exact_tokens` (already computed, exact KV)."""
         if not self.enable_prefix_caching:
             return
-        n = min(num_exact_tokens, req.num_computed_tokens) // self.block_size
-        self.hash_blocks(req, n)
-        parent = None
-        for i in range(min(n, len(req.block_hashes), len(req.blocks))):
-            block = req.blocks[i]
-            self.pool.cache_block(block, req.block_hashes[i], parent)
-            parent = block
-
-    def cache_approx_blocks(self, req: Request) -> None:
-        """Register the request's full computed blocks at or after `exact_prefix_len` on the
-        approximate chain (incremental: each step hashes only the blocks it completed)."""
-        if not self.enable_prefix_caching or req.exact_prefix_len is None or not req.approx_prefix_enabled:
+        n = min(min(num_exact_tokens, req.num_computed_tokens) // self.block_size, len(req.blocks))
+        if n <= req.num_exact_cached_blocks:        # incremental: a decode step completes <= 1 block
             return
+        self.hash_blocks(req, n)
+        for i in range(req.num_exact_cached_blocks, n):
+            self.pool.cache_block(req.blocks[i], req.block_hashes[i], req.blocks[i - 1] if i > 0 else None)
+        req.num_exact_cached_blocks = n
+
+    def hash_ahead(self, req: Request, num_tokens_after: int, exact_prefix_len: int | None) -> None:
+        """Make the hashes that registering this step's full blocks will need. The engine calls it
+        while the GPU runs the forward (hashes depend on token ids only), so the bookkeeping after the
+        forward, which is on the TTFT path, only registers: ~2k blocks of a 32k-token blended prompt
+        cost milliseconds to hash on the host."""
+        if not self.enable_prefix_caching:
+            return
+        n_full = min(num_tokens_after // self.block_size, len(req.blocks))
+        if exact_prefix_len is None:
+            self.hash_blocks(req, n_full)
+            return
+        self.hash_blocks(req, min(exact_prefix_len, num_tokens_after) // self.block_size)
+        if req.approx_prefix_enabled:
+            self._hash_approx(req, exact_prefix_len, n_full)
+
+    def _hash_approx(self, req: Request, exact_prefix_len: int, n_full: int) -> None:
+        """Extend `req.approx_block_hashes` (the chain from block exact_prefix_len // block_size on)."""
         bs = self.block_size
-        start = req.exact_prefix_len // bs                     # the block holding the first approximate KV
-        n_full = min(req.num_computed_tokens // bs, len(req.blocks))
-        done = start + len(req.approx_block_hashes)
-        if done >= n_full:
+        start = exact_prefix_len // bs                         # the block holding the first approximate KV
+        if req.approx_chain_start != start:                    # hashed ahead under another start: redo
+            req.approx_chain_start, req.approx_block_hashes, req.num_approx_cached_blocks = start, [], 0
+        have = start + len(req.approx_block_hashes)
+        if have >= n_full:
             return
         self.hash_blocks(req, start)
-        parent: BlockHash | None
         if req.approx_block_hashes:
             parent = req.approx_block_hashes[-1]
         else:
             parent = req.block_hashes[start - 1] if start > 0 else None
-        new = compute_block_hashes(req.all_token_ids[: n_full * bs], bs, req.cache_salt, parent=parent,
-                                   start=done * bs, approximate=True)
-        req.approx_block_hashes.extend(new)
-        for i, block_hash in enumerate(new, start=done):
-            self.pool.cache_block(req.blocks[i], block_hash, req.blocks[i - 1] if i > 0 else None)
+        req.approx_block_hashes.extend(compute_block_hashes(
+            req.all_token_ids[: n_full * bs], bs, req.cache_salt, parent=parent, start=have * bs, approximate=True))
+
+    def cache_approx_blocks(self, req: Request) -> None:
+        """Register the request's full computed blocks at or after `exact_prefix_len` on the
+        approximate chain (incremental: each step registers only the blocks it completed)."""
+        if not self.enable_prefix_caching or req.exact_prefix_len is None or not req.approx_prefix_enabled:
+            return
+        bs = self.block_size
+        n_full = min(req.num_computed_tokens // bs, len(req.blocks))
+        self._hash_approx(req, req.exact_prefix_len, n_full)
+        start = req.approx_chain_start
+        for i in range(start + req.num_approx_cached_blocks, n_full):
+            self.pool.cache_block(req.blocks[i], req.approx_block_hashes[i - start], req.blocks[i - 1] if i > 0 else None)
+        req.num_approx_cached_blocks = max(req.num_approx_cached_blocks, n_full - start)
 
     @property
     def usage(self) -> float:

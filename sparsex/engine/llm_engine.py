@@ -159,7 +159,7 @@ class LLMEngine:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             touched.append(req)
         if sched.scheduled:
-            results = self.runner.execute(sched)
+            results = self.runner.execute(sched, overlap=lambda: self._hash_ahead(sched))
             now = time.time()
             for s in sched.scheduled:
                 req = s.request
@@ -178,6 +178,16 @@ class LLMEngine:
                 self._append_token(req, res.sampled_token, res.logprobs, now)
                 touched.append(req)
         return [o for o in (self._make_output(r) for r in self._dedupe(touched)) if o is not None]
+
+    def _hash_ahead(self, sched) -> None:
+        """While the forward runs: the block hashes this step's bookkeeping will register."""
+        for s in sched.scheduled:
+            req = s.request
+            exact = req.exact_prefix_len
+            if s.reuse_plan is not None:           # what Blender.after_step will set
+                first = s.reuse_plan.first_reused_position
+                exact = first if exact is None else min(exact, first)
+            self.kv.hash_ahead(req, req.num_computed_tokens + s.num_new_tokens, exact)
 
     def _exact_len(self, req: Request) -> int:
         """Tokens of the request whose KV is exact (all, unless segment reuse blended it)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -174,7 +175,9 @@ class ModelRunner:
                    and s.request.num_computed_tokens >= s.request.num_prompt_tokens for s in sched.scheduled)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> dict[str, RequestStepResult]:
+    def execute(self, sched: SchedulerOutput, overlap: Callable[[], None] | None = None) -> dict[str, RequestStepResult]:
+        """Run one step. `overlap`: host work to do once the forward is launched, before waiting for
+        its results (on the GPU it then costs no time; on the CPU the forward has already run)."""
         step = self._host_inputs(sched)
         results: dict[str, RequestStepResult] = {s.request.request_id: RequestStepResult() for s in sched.scheduled}
         if self._graph_ok(sched):
@@ -183,6 +186,8 @@ class ModelRunner:
                 self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs,
                                                   self.max_model_len, self.uploader)
             logits = self.decode_graphs.run(step.ids, step.positions, step.slots, step.seq_lens, step.tables)
+            if overlap is not None:
+                overlap()
             self._sample(step.sample_reqs, logits.float(), results)
             self.timings.forward_s += time.perf_counter() - t0
             return results
@@ -211,6 +216,8 @@ class ModelRunner:
             self.blender.prepare(sched, ctx, self)
         t0 = time.perf_counter()
         hidden = self.model(ids_t, md.positions, ctx)                   # [kept_rows, hidden]
+        if overlap is not None:
+            overlap()
         # map full-batch row -> row of `hidden`
         if ctx.kept_rows is None:
             row_of = None

@@ -52,6 +52,7 @@ class Request:
     num_computed_tokens: int = 0
     blocks: list = field(default_factory=list)          # the block table, as KVCacheBlock objects
     block_hashes: list[BlockHash] = field(default_factory=list)
+    num_exact_cached_blocks: int = 0          # blocks[:n] are registered on the exact chain
     generator: torch.Generator | None = None
     output_text: str = ""
     detokenizer: object | None = None         # engine.detokenizer.IncrementalDetokenizer, made at the first token
@@ -60,7 +61,9 @@ class Request:
     # segment reuse
     reuse_plan: object | None = None          # segment.blender.ReusePlan, locked until its forward ran
     exact_prefix_len: int | None = None       # KV at positions >= this is approximate (blended)
-    approx_block_hashes: list[BlockHash] = field(default_factory=list)   # approximate chain from block exact_prefix_len // block_size
+    approx_block_hashes: list[BlockHash] = field(default_factory=list)   # approximate chain from block approx_chain_start
+    approx_chain_start: int | None = None     # exact_prefix_len // block_size when the chain was hashed
+    num_approx_cached_blocks: int = 0         # of approx_block_hashes, how many are registered in the pool
     segments_registered: bool = False
     query_horizon: int | None = None          # evaluation only: new rows at/after it are teacher-forced
                                               # continuation, hidden from query-side selection signals

@@ -57,7 +57,8 @@ class Scheduler:
         req.num_computed_tokens = 0
         # recomputed from scratch on readmission: whatever KV it gets then decides what is exact
         req.exact_prefix_len = None
-        req.approx_block_hashes = []
+        req.approx_block_hashes, req.approx_chain_start, req.num_approx_cached_blocks = [], None, 0
+        req.num_exact_cached_blocks = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

@@ -27,7 +27,7 @@ approximate chain instead (cache/kv_cache_manager.py), which only requests with
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
