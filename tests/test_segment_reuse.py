@@ -241,3 +241,21 @@ def test_default_selector_beats_naive_and_random_on_real_rag(llm_sx, llm_none):
                       for (ev, _), (c, lps) in zip(pairs, refs)) / len(pairs)
     default = eng.config.reuse.selector
     assert kl[default] < kl["none"] and kl[default] < kl["random"], kl
+
+
+def test_query_attention_mass_matches_per_head_softmax():
+    """sparse_q's query-side signal, grouped by KV head, against a plain loop over query heads."""
+    from sparsex.segment import selectors
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(5, 6, 16, generator=g)                 # 5 query rows, 6 heads over 2 KV heads
+    keys = torch.randn(40, 2, 16, generator=g)
+    pos = torch.tensor([12, 20, 31, 38, 39])
+    ref = torch.zeros(40)
+    for h in range(6):
+        for r in range(5):
+            n = int(pos[r]) + 1
+            p = torch.softmax(keys[:n, h // 3] @ q[r, h] * 0.25, dim=0)
+            ref[:n] += p / 30
+    got = selectors.query_attention_mass(q, keys, pos, 0.25)
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
+    assert got[pos.max() + 1:].eq(0).all()                # keys after every row's position get nothing

@@ -229,7 +229,7 @@ class Blender:
         n = md.seq_lens_cpu[si]
         bs = k_cache.shape[1]
         blocks = md.block_tables[si, : (n + bs - 1) // bs]
-        keys = k_cache[blocks].flatten(0, 1)[:n].clone()                      # [n, KVH, D]
+        keys = k_cache[blocks].flatten(0, 1)[:n]                              # [n, KVH, D], a gathered copy
         r0, r1 = md.cu_seqlens_q_cpu[si], md.cu_seqlens_q_cpu[si + 1]
         keys[md.positions[r0:r1]] = k[r0:r1].to(keys.dtype)
         return keys
