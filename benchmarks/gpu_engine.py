@@ -419,9 +419,9 @@ def section_decode_profile(llm: LLM, ceil: dict) -> None:
         exec_s = []
         execute = runner.execute
 
-        def timed(sched):
+        def timed(sched, **kw):
             t0 = time.perf_counter()
-            r = execute(sched)
+            r = execute(sched, **kw)
             exec_s.append(time.perf_counter() - t0)
             return r
         runner.execute = timed
