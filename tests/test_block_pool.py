@@ -126,12 +126,12 @@ def test_allocation_recounts_hit_blocks_released_by_reclaim():
 @pytest.mark.parametrize("salt,approximate", [(None, False), ("tenant-a", False), ("tenant-a", True)])
 def test_chunked_chain_hashing_equals_block_by_block(salt, approximate):
     """iter_block_hashes converts tokens to bytes a chunk at a time; the chain must be the one
-    hash_block_tokens gives block by block, across chunk edges, from any block-aligned start."""
+    hashing block by block gives, across chunk edges, from any block-aligned start."""
     tokens = [(7919 * i) % 50_000 for i in range(16 * 150 + 5)]      # 150 full blocks, a partial one
-    extra = lambda i: (((("cache_salt", salt),) if i == 0 and salt else ()) + ((bh.APPROXIMATE_KV,) if approximate else ()))
     ref, parent = [], None
-    for i in range(150):
-        parent = bh.hash_block_tokens(parent, tuple(tokens[16 * i:16 * i + 16]), extra(i))
+    for i in range(150):                                 # one block at a time: the salt goes with block 0
+        (parent,) = bh.compute_block_hashes(tokens[16 * i:16 * i + 16], 16, salt if i == 0 else None,
+                                            parent=parent, approximate=approximate)
         ref.append(parent)
     assert bh.compute_block_hashes(tokens, 16, salt, approximate=approximate) == ref
     tail = bh.compute_block_hashes(tokens, 16, salt, parent=ref[69], start=70 * 16, approximate=approximate)
@@ -155,23 +155,24 @@ def test_prefix_lookup_hashes_only_what_it_needs():
 
 
 def test_hashing_ahead_registers_what_hashing_after_the_step_would():
-    """The engine hashes a step's blocks while the forward runs; the bookkeeping after it must
-    register exactly the blocks and hashes it registers without that (exact and approximate chain),
-    and a chain hashed ahead under a different exact prefix is redone, not reused."""
-    def run(ahead_exact):
+    """The engine hashes a step's blocks while the forward runs (exact_prefix_len is known from
+    admission); the bookkeeping after it must register exactly the blocks and hashes it registers
+    without that, on the exact and the approximate chain."""
+    def run(ahead: bool, exact: int | None):
         kv = KVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=True)
         r = _req("a", list(range(40)))
         r.reuse = ReuseConfig()                          # accepts approximate KV (approx_prefix is on)
         assert kv.allocate_slots(r, 40)
-        if ahead_exact is not False:
-            kv.hash_ahead(r, 40, ahead_exact)
-        r.num_computed_tokens, r.exact_prefix_len = 40, 10  # the step ran; KV from position 10 on is blended
-        kv.cache_blocks(r, 10)
+        r.exact_prefix_len = exact                       # set at admission: KV from here on is blended
+        if ahead:
+            kv.hash_ahead(r, 40)
+        r.num_computed_tokens = 40                       # the step ran
+        kv.cache_blocks(r, 40 if exact is None else exact)
         kv.cache_approx_blocks(r)
         kv.pool.check_integrity({b.block_id: 1 for b in r.blocks})
         return {v: b.block_id for v, b in kv.pool.cached.items()}, len(r.block_hashes)
-    plain, _ = run(False)
-    ahead, n_exact = run(10)
+    plain, _ = run(False, 10)
+    ahead, n_exact = run(True, 10)
     assert ahead == plain and len(plain) == 10          # 2 exact blocks + 8 on the approximate chain
     assert n_exact == 2                                 # no exact hash past the exact prefix was made
-    assert run(20)[0] == plain                          # hashed ahead from another start: redone
+    assert run(True, None) == run(False, None) and len(run(True, None)[0]) == 10   # a plain request: all exact

@@ -31,12 +31,6 @@ def _digest(parent_value: bytes, token_bytes: bytes, extra_keys: tuple) -> bytes
     return xxhash.xxh3_128_digest(data)
 
 
-def hash_block_tokens(parent: BlockHash | None, token_ids: tuple[int, ...], extra_keys: tuple = ()) -> BlockHash:
-    digest = _digest(parent.value if parent is not None else _NONE_PARENT,
-                     np.asarray(token_ids, dtype=np.int64).tobytes(), extra_keys)
-    return BlockHash(digest, tuple(token_ids), extra_keys)
-
-
 # Extra key of every block in the approximate chain: blocks whose KV was computed over reused
 # (re-rotated, partly recomputed) segments. An exact lookup never carries it, so it can never
 # return such a block; only requests that accept approximate KV follow this chain.
@@ -50,8 +44,8 @@ def iter_block_hashes(token_ids: list[int], block_size: int, cache_salt: str | N
     """Hashes of the full blocks of `token_ids[start:]` (start is block-aligned), chained from `parent`,
     one at a time (a lookup that misses stops hashing). The salt is an extra key of the first block
     only: every later hash inherits it through the chain. `approximate` puts every block on the
-    approximate chain (`APPROXIMATE_KV`). Same values as chaining `hash_block_tokens`, with the
-    token ids turned into bytes a chunk at a time (hashing a 32k-token prompt is on the TTFT path)."""
+    approximate chain (`APPROXIMATE_KV`). The token ids are turned into bytes a chunk at a time
+    (hashing a 32k-token prompt is on the TTFT path); the values do not depend on the chunking."""
     end = len(token_ids) - len(token_ids) % block_size
     parent_value = parent.value if parent is not None else _NONE_PARENT
     stride = 8 * block_size

@@ -128,27 +128,25 @@ class KVCacheManager:
             self.pool.cache_block(req.blocks[i], req.block_hashes[i], req.blocks[i - 1] if i > 0 else None)
         req.num_exact_cached_blocks = n
 
-    def hash_ahead(self, req: Request, num_tokens_after: int, exact_prefix_len: int | None) -> None:
+    def hash_ahead(self, req: Request, num_tokens_after: int) -> None:
         """Make the hashes that registering this step's full blocks will need. The engine calls it
-        while the GPU runs the forward (hashes depend on token ids only), so the bookkeeping after the
-        forward, which is on the TTFT path, only registers: ~2k blocks of a 32k-token blended prompt
-        cost milliseconds to hash on the host."""
+        while the GPU runs the forward (hashes depend on token ids only, and `exact_prefix_len` is
+        set at admission), so the bookkeeping after the forward, which is on the TTFT path, only
+        registers: ~2k blocks of a 32k-token blended prompt cost milliseconds to hash on the host."""
         if not self.enable_prefix_caching:
             return
         n_full = min(num_tokens_after // self.block_size, len(req.blocks))
-        if exact_prefix_len is None:
+        if req.exact_prefix_len is None:
             self.hash_blocks(req, n_full)
             return
-        self.hash_blocks(req, min(exact_prefix_len, num_tokens_after) // self.block_size)
+        self.hash_blocks(req, min(req.exact_prefix_len, num_tokens_after) // self.block_size)
         if req.approx_prefix_enabled:
-            self._hash_approx(req, exact_prefix_len, n_full)
+            self._hash_approx(req, n_full)
 
-    def _hash_approx(self, req: Request, exact_prefix_len: int, n_full: int) -> None:
-        """Extend `req.approx_block_hashes` (the chain from block exact_prefix_len // block_size on)."""
+    def _hash_approx(self, req: Request, n_full: int) -> None:
+        """Extend `req.approx_block_hashes`: the chain from block exact_prefix_len // block_size on."""
         bs = self.block_size
-        start = exact_prefix_len // bs                         # the block holding the first approximate KV
-        if req.approx_chain_start != start:                    # hashed ahead under another start: redo
-            req.approx_chain_start, req.approx_block_hashes, req.num_approx_cached_blocks = start, [], 0
+        start = req.exact_prefix_len // bs                     # the block holding the first approximate KV
         have = start + len(req.approx_block_hashes)
         if have >= n_full:
             return
@@ -165,10 +163,9 @@ class KVCacheManager:
         approximate chain (incremental: each step registers only the blocks it completed)."""
         if not self.enable_prefix_caching or req.exact_prefix_len is None or not req.approx_prefix_enabled:
             return
-        bs = self.block_size
-        n_full = min(req.num_computed_tokens // bs, len(req.blocks))
-        self._hash_approx(req, req.exact_prefix_len, n_full)
-        start = req.approx_chain_start
+        n_full = min(req.num_computed_tokens // self.block_size, len(req.blocks))
+        self._hash_approx(req, n_full)
+        start = req.exact_prefix_len // self.block_size
         for i in range(start + req.num_approx_cached_blocks, n_full):
             self.pool.cache_block(req.blocks[i], req.approx_block_hashes[i - start], req.blocks[i - 1] if i > 0 else None)
         req.num_approx_cached_blocks = max(req.num_approx_cached_blocks, n_full - start)

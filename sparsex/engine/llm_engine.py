@@ -182,12 +182,7 @@ class LLMEngine:
     def _hash_ahead(self, sched) -> None:
         """While the forward runs: the block hashes this step's bookkeeping will register."""
         for s in sched.scheduled:
-            req = s.request
-            exact = req.exact_prefix_len
-            if s.reuse_plan is not None:           # what Blender.after_step will set
-                first = s.reuse_plan.first_reused_position
-                exact = first if exact is None else min(exact, first)
-            self.kv.hash_ahead(req, req.num_computed_tokens + s.num_new_tokens, exact)
+            self.kv.hash_ahead(s.request, s.request.num_computed_tokens + s.num_new_tokens)
 
     def _exact_len(self, req: Request) -> int:
         """Tokens of the request whose KV is exact (all, unless segment reuse blended it)."""

@@ -61,8 +61,7 @@ class Request:
     # segment reuse
     reuse_plan: object | None = None          # segment.blender.ReusePlan, locked until its forward ran
     exact_prefix_len: int | None = None       # KV at positions >= this is approximate (blended)
-    approx_block_hashes: list[BlockHash] = field(default_factory=list)   # approximate chain from block approx_chain_start
-    approx_chain_start: int | None = None     # exact_prefix_len // block_size when the chain was hashed
+    approx_block_hashes: list[BlockHash] = field(default_factory=list)   # approximate chain from block exact_prefix_len // block_size
     num_approx_cached_blocks: int = 0         # of approx_block_hashes, how many are registered in the pool
     segments_registered: bool = False
     query_horizon: int | None = None          # evaluation only: new rows at/after it are teacher-forced

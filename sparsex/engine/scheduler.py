@@ -57,7 +57,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         # recomputed from scratch on readmission: whatever KV it gets then decides what is exact
         req.exact_prefix_len = None
-        req.approx_block_hashes, req.approx_chain_start, req.num_approx_cached_blocks = [], None, 0
+        req.approx_block_hashes, req.num_approx_cached_blocks = [], 0
         req.num_exact_cached_blocks = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -133,7 +133,10 @@ class Scheduler:
             req.num_reused_tokens = num_approx            # the blender adds its segments' tokens
             if num_approx:
                 self.kv.approx_prefix_hits += num_approx
-                req.exact_prefix_len = num_hit
+            if num_approx or plan is not None:
+                # KV from here on is approximate (continued along the approximate chain, or blended in
+                # this step); known before the forward, so its block hashes can be made during it
+                req.exact_prefix_len = num_hit if num_approx else plan.first_reused_position
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, plan))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -101,15 +102,32 @@ def _chunk_rows(num_kv_groups: int, kend: int) -> int:
     return max(_MIN_CHUNK, min(_MAX_CHUNK, c))
 
 
+def _seq_subset(md: AttentionMetadata, seqs: list[int], rows: Callable[[], torch.Tensor]):
+    """(rows, block tables, positions) of the sequences `seqs`, whose rows `rows()` gives, for a
+    native kernel; rows is None when they are every sequence (then every row, in order: no gather,
+    no scatter)."""
+    if len(seqs) == md.num_seqs:
+        return None, md.block_tables, md.positions
+    dev = md.block_tables.device
+    rows_t = rows().to(dev)                                              # [R] int64
+    return (rows_t, md.block_tables.index_select(0, torch.tensor(seqs, device=dev)),
+            md.positions.index_select(0, rows_t))
+
+
+def _on_rows(kernel, query: torch.Tensor, rows: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+    """kernel(query rows) written to those rows of `out` (allocated when None); rows None: every row."""
+    if rows is None:
+        return kernel(query)
+    out = torch.empty_like(query) if out is None else out
+    out.index_copy_(0, rows, kernel(query.index_select(0, rows)))
+    return out
+
+
 def _native_multi(md: AttentionMetadata, seqs: list[int]) -> _NativeMultiRowBatch:
     cu = md.cu_seqlens_q_cpu
-    dev = md.block_tables.device
-    query_start = torch.tensor([0] + [cu[s + 1] - cu[s] for s in seqs], dtype=torch.int64).cumsum(0).to(dev)
-    if len(seqs) == md.num_seqs:          # every sequence has several rows: all rows, in order
-        return _NativeMultiRowBatch(None, md.block_tables, query_start, md.positions)
-    rows = torch.cat([torch.arange(cu[s], cu[s + 1]) for s in seqs]).to(dev)
-    return _NativeMultiRowBatch(rows, md.block_tables.index_select(0, torch.tensor(seqs, device=dev)),
-                                query_start, md.positions.index_select(0, rows))
+    query_start = torch.tensor([0] + [cu[s + 1] - cu[s] for s in seqs], dtype=torch.int64).cumsum(0)
+    rows, tables, positions = _seq_subset(md, seqs, lambda: torch.cat([torch.arange(cu[s], cu[s + 1]) for s in seqs]))
+    return _NativeMultiRowBatch(rows, tables, query_start.to(md.block_tables.device), positions)
 
 
 def build_plan(md: AttentionMetadata, block_size: int, num_kv_groups: int, dtype: torch.dtype,
@@ -149,12 +167,7 @@ def build_plan(md: AttentionMetadata, block_size: int, num_kv_groups: int, dtype
             multi.append(_MultiRowSeq(_slots_of(md.block_tables[s], kmax, block_size), chunks))
     single = None
     if single_rows and native:
-        if len(single_rows) == md.num_seqs:   # every sequence has one row: row s is sequence s's
-            single = _SingleRowBatch(None, md.block_tables, md.positions)
-        else:
-            rows = torch.tensor(single_rows, device=dev)
-            single = _SingleRowBatch(rows, md.block_tables.index_select(0, torch.tensor(single_seqs, device=dev)),
-                                     md.positions.index_select(0, rows))
+        single = _SingleRowBatch(*_seq_subset(md, single_seqs, lambda: torch.tensor(single_rows)))
     elif single_rows:
         L = max(single_lens)
         slots = torch.cat([_slots_of(md.block_tables[s], L, block_size) for s in single_seqs])
@@ -205,29 +218,26 @@ class TorchAttentionBackend:
                       and cpu_kernels.supports(query, k_cache))
             md.backend_plan = build_plan(md, k_cache.shape[1], groups, query.dtype, native)
         plan: CpuAttentionPlan = md.backend_plan
-        if isinstance(plan.single, _SingleRowBatch) and plan.single.rows is None:   # a pure decode step
-            b = plan.single
-            return cpu_kernels.decode_attention(query, k_cache, v_cache, b.block_tables, b.positions, scale)
+        single, multi = plan.single, plan.multi
+        if isinstance(single, _SingleRowBatch):
+            decode = lambda q: cpu_kernels.decode_attention(q, k_cache, v_cache, single.block_tables,
+                                                            single.positions, scale)   # [S, H, D]
+            if single.rows is None:                                  # a pure decode step
+                return decode(query)
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)            # [num_slots, KVH, D]
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
 
-        if isinstance(plan.multi, _NativeMultiRowBatch):
-            b = plan.multi
-            if b.rows is None:
-                out = cpu_kernels.multi_row_attention(query, k_cache, v_cache, b.block_tables, b.query_start,
-                                                      b.positions, scale)
-            else:
-                out = torch.empty_like(query)
-                o = cpu_kernels.multi_row_attention(query.index_select(0, b.rows), k_cache, v_cache,
-                                                    b.block_tables, b.query_start, b.positions, scale)  # [R, H, D]
-                out.index_copy_(0, b.rows, o)
-        elif plan.multi:
+        if isinstance(multi, _NativeMultiRowBatch):
+            out = _on_rows(lambda q: cpu_kernels.multi_row_attention(q, k_cache, v_cache, multi.block_tables,
+                                                                     multi.query_start, multi.positions, scale),
+                           query, multi.rows, None)                  # [T, H, D]
+        elif multi:
             # queries KV-head-major once per layer, scale folded in: a chunk's rows are then one
             # contiguous [rows * groups, D] block per KV head (rows outer, groups inner)
             q_all = query.new_empty(num_kv_heads, query.shape[0], groups, head_dim)     # [KVH, T, G, D]
             torch.mul(query.view(-1, num_kv_heads, groups, head_dim).transpose(0, 1), scale, out=q_all)
             o_all = torch.empty_like(q_all)   # rows of one-row sequences are filled below
-            for seq in plan.multi:
+            for seq in multi:
                 k = k_flat.index_select(0, seq.slots).to(query.dtype)     # [n, KVH, D]
                 v = v_flat.index_select(0, seq.slots).to(query.dtype)
                 k_t = k.permute(1, 2, 0).contiguous()                     # [KVH, D, n]
@@ -245,13 +255,10 @@ class TorchAttentionBackend:
         else:
             out = torch.empty_like(query)
 
-        if isinstance(plan.single, _SingleRowBatch):
-            b = plan.single
-            o = cpu_kernels.decode_attention(query.index_select(0, b.rows), k_cache, v_cache, b.block_tables,
-                                             b.positions, scale)                  # [S, H, D]
-            out.index_copy_(0, b.rows, o)
-        elif plan.single is not None:
-            b = plan.single
+        if isinstance(single, _SingleRowBatch):
+            out = _on_rows(decode, query, single.rows, out)
+        elif single is not None:
+            b = single
             S, L = b.rows.shape[0], b.max_len
             q = query.index_select(0, b.rows).float().unsqueeze(2)   # [S, H, 1, D]
             k = k_flat.index_select(0, b.slots).view(S, L, num_kv_heads, head_dim).float()

@@ -139,7 +139,7 @@ class Blender:
         bs = self.block_size
         self._seqs = []
         t0 = time.perf_counter()
-        per_seq = []          # (seq index, plan, [7, R] int64 host plan)
+        per_seq = []          # (seq index, plan, segment lengths, [7, R] int64 host plan, query rows)
         for si, s in enumerate(sched.scheduled):
             plan: ReusePlan | None = s.reuse_plan
             if plan is None:
@@ -161,19 +161,19 @@ class Blender:
             eb0 = np.cumsum([len(x) for x in entry_blocks]) - np.array([len(x) for x in entry_blocks])
             src = eb[eb0[seg] + ep // bs - old[seg] // bs] * bs + ep % bs
             dst = table[rp // bs] * bs + rp % bs
-            per_seq.append((si, plan, np.stack([src, dst, (starts - old)[seg], rp - pos0 + row0, rp, offs, starts[seg]]),
+            per_seq.append((si, plan, lens.tolist(),
+                            np.stack([src, dst, (starts - old)[seg], rp - pos0 + row0, rp, offs, starts[seg]]),
                             self._query_rows(req, rp, pos0, row0, cu[si + 1] - cu[si])))
         # one upload for the whole step: [7, R_total] = src slot, dst slot, delta, row, position, offset, segment start
-        host = np.concatenate([x[2] for x in per_seq], axis=1)
+        host = np.concatenate([x[3] for x in per_seq], axis=1)
         up = torch.from_numpy(host).to(dev)
         src_t, dst_t, delta_t = up[0], up[1], up[2]
         col = 0
-        for si, plan, h, query_rows in per_seq:
+        for si, plan, seg_lens, h, query_rows in per_seq:
             part = up[:, col:col + h.shape[1]]
             col += h.shape[1]
             self._seqs.append(_SeqBlend(sched.scheduled[si].request, plan.reuse, part[3], part[4], part[5], part[6],
-                                        seq_index=si, seg_lens=[span.end - span.start for span, _ in plan.hits],
-                                        query_rows=torch.from_numpy(query_rows).to(dev)))
+                                        seq_index=si, seg_lens=seg_lens, query_rows=torch.from_numpy(query_rows).to(dev)))
         inv_freq = self.model.rotary.inv_freq
         if dev.type == "cuda":
             from sparsex.layers.triton_rerotate import copy_and_rerotate
@@ -314,8 +314,6 @@ class Blender:
             # on top of an approximate-chain prefix hit the scheduler already counted
             req.num_reused_tokens += plan.num_reused_tokens
             req.num_recomputed_tokens = b.selected if b is not None else 0
-            first = plan.first_reused_position
-            req.exact_prefix_len = first if req.exact_prefix_len is None else min(req.exact_prefix_len, first)
             self.reused_tokens += plan.num_reused_tokens
             self.recomputed_tokens += req.num_recomputed_tokens
             self.release(req)
