@@ -465,21 +465,22 @@ def section_decode_profile(llm: LLM, ceil: dict) -> None:
 
 
 class BlendTimer:
-    """CUDA events around the blended step's stages (prepare = KV copy + re-rotation, the probe =
-    selection scoring inside layer F-1, selection between layers F-1 and F, the sparse layers)."""
+    """CUDA events around the blended step's stages (the KV copy + re-rotation, launched from inside
+    the forward just before layer F-1; the probe = selection scoring inside layer F-1; selection
+    between layers F-1 and F; the sparse layers)."""
 
     def __init__(self, runner, full_layers: int):
         self.active = False
         self.events: dict[str, torch.cuda.Event] = {}
         b = runner.blender
-        prepare, probe = b.prepare, b._probe
+        copy, probe = b._copy_reused, b._probe
 
-        def timed_prepare(sched, ctx, r):
-            self._rec("prep0"); prepare(sched, ctx, r); self._rec("prep1")
+        def timed_copy(*a, **k):
+            self._rec("prep0"); copy(*a, **k); self._rec("prep1")
 
         def timed_probe(*a, **k):
             self._rec("probe0"); probe(*a, **k); self._rec("probe1")
-        b.prepare, b._probe = timed_prepare, timed_probe
+        b._copy_reused, b._probe = timed_copy, timed_probe
         layers = runner.model.layers
         self.handles = [
             layers[0].register_forward_pre_hook(lambda m, a: self._rec("layer0")),
@@ -505,7 +506,9 @@ class BlendTimer:
                                               "row selection", "sparse layers")}
         el = lambda a, b: e[a].elapsed_time(e[b])
         probe = el("probe0", "probe1") if "probe0" in e else 0.0
-        return {"kv copy+rerotate": el("prep0", "prep1"), "full layers": el("layer0", "full_end") - probe,
+        copy = el("prep0", "prep1")
+        copy_inside = list(e).index("prep0") > list(e).index("layer0")      # launched after layer 0 began
+        return {"kv copy+rerotate": copy, "full layers": el("layer0", "full_end") - probe - (copy if copy_inside else 0.0),
                 "selection scoring (probe)": probe, "row selection": el("full_end", "sparse0"),
                 "sparse layers": el("sparse0", "sparse_end")}
 
@@ -626,7 +629,7 @@ def section_blend_profile(llm_sx: LLM) -> None:
         setattr(obj, name, timed)
         wrapped.append((obj, name))
     for obj, name, label in ((eng, "add_request", "add_request"), (eng.scheduler, "schedule", "schedule (plan)"),
-                             (runner, "execute", "runner.execute"), (b, "prepare", "  blender.prepare"),
+                             (runner, "execute", "runner.execute"), (b, "_copy_reused", "  blender copy plan"),
                              (b, "_probe", "  probe (host)"), (b, "select", "  select (host)"),
                              (runner.model, "forward", "  model.forward (host)"), (b, "after_step", "after_step"),
                              (eng.kv, "cache_blocks", "cache_blocks"), (eng.kv, "cache_approx_blocks", "cache_approx_blocks")):
@@ -656,6 +659,42 @@ def section_blend_profile(llm_sx: LLM) -> None:
     table("Blended prefill: host phases (ms, mean of 3) and the GPU timeline of one profiled request",
           ["prompt", "TTFT ms", "host phases ms", "GPU span / busy / idle ms", "largest GPU gaps (ms, before, after)"], rows)
     RESULTS["blend_profile"] = out
+
+
+def section_syncs(llm_sx: LLM) -> None:
+    """Every host<-device synchronisation of one blended request (8 passages cached in another
+    order), with the engine frames that made it: torch's sync debug mode turns each into a warning.
+    The step should sync only where the host truly needs device data (the sampled token)."""
+    import collections
+    import traceback
+    import warnings
+    found: collections.Counter = collections.Counter()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        stack = traceback.extract_stack()[:-1]
+        frames = [f for f in stack if os.path.abspath(f.filename).startswith(os.path.join(root, "sparsex"))] or stack[-4:]
+        found[" <- ".join(f"{os.path.relpath(os.path.abspath(f.filename), root)}:{f.lineno} {f.name}"
+                          for f in reversed(frames[-3:]))] += 1
+
+    sys_ids, plen, k = rand_ids(40), SIZES["passage_len"], SIZES["passages"][0]
+    passages = [rand_ids(plen) for _ in range(k)]
+    prompt = lambda r: {"segments": [sys_ids] + [passages[(i + r) % k] for i in range(k)] + [rand_ids(48)]}
+    llm_sx.reset_cache()
+    _ttft(llm_sx, prompt(0), "sync-prime")
+    _ttft(llm_sx, prompt(1), "sync-warm")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _ttft(llm_sx, prompt(2), "sync-run")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    rows = [[where or "(outside the engine)", str(n)] for where, n in found.most_common()]
+    table(f"Host-device syncs of one blended request ({k} passages x {plen} tokens, cached in another order)",
+          ["engine frames (innermost first)", "syncs"], rows or [["none", "0"]])
+    RESULTS["syncs"] = dict(found)
 
 
 # ------------------------------------------------------------------------------ SmolLM2 (real weights)
@@ -731,6 +770,7 @@ def _dry_run_setup() -> None:
     torch.cuda.Event = FakeEvent
     torch.cuda.synchronize = lambda *a: None
     torch.cuda.empty_cache = lambda: None
+    torch.cuda.set_sync_debug_mode = lambda *a: None
     torch.cuda.get_device_name = lambda *a: "cpu (dry run)"
     # hf_from_ours copies our plain weights into transformers' model; CPU prepacking would drop them
     from sparsex.engine import model_runner
@@ -753,7 +793,7 @@ def main() -> None:
     try:
         if "smol" in sections:
             section_smol()
-        if any(s in sections for s in ("ceil", "prefill", "decode", "decodeprof", "blend", "blendprof")):
+        if any(s in sections for s in ("ceil", "prefill", "decode", "decodeprof", "blend", "blendprof", "syncs")):
             ceil = section_ceil()
             llm_none = make_llm("none", 20 if DEV.type == "cuda" else 0.05)
             hf = None
@@ -771,10 +811,13 @@ def main() -> None:
                 llm_prefix = make_llm("prefix", 6 if DEV.type == "cuda" else 0.05, share_from=llm_none)
                 llm_sx = make_llm("sparsex", 10 if DEV.type == "cuda" else 0.05, share_from=llm_none)
                 section_blend(llm_none, llm_prefix, llm_sx)
-            if "blendprof" in sections:
+            if "blendprof" in sections or "syncs" in sections:
                 llm_sx = llm_sx if "blend" in sections else make_llm("sparsex", 10 if DEV.type == "cuda" else 0.05,
                                                                       share_from=llm_none)
-                section_blend_profile(llm_sx)
+                if "blendprof" in sections:
+                    section_blend_profile(llm_sx)
+                if "syncs" in sections:
+                    section_syncs(llm_sx)
     finally:
         if OUT:
             with open(os.path.join(OUT, "gpu_engine.json"), "w") as f:

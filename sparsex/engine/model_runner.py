@@ -218,14 +218,13 @@ class ModelRunner:
         hidden = self.model(ids_t, md.positions, ctx)                   # [kept_rows, hidden]
         if overlap is not None:
             overlap()
-        # map full-batch row -> row of `hidden`
-        if ctx.kept_rows is None:
-            row_of = None
-        else:
-            row_of = {int(r): i for i, r in enumerate(ctx.kept_rows.tolist())}
-
         need_positions = self.capture_positions or any(s.request.params.prompt_logprobs is not None
                                                        for s in sched.scheduled)
+        # map full-batch row -> row of `hidden` (a device read: only when rows other than the
+        # sampled ones are needed)
+        row_of = None
+        if ctx.kept_rows is not None and need_positions:
+            row_of = {int(r): i for i, r in enumerate(ctx.kept_rows.tolist())}
         positions = step.positions.tolist() if need_positions else None
         if self.capture_positions:
             self._capture(sched, cu, positions, hidden, row_of)
@@ -261,10 +260,15 @@ class ModelRunner:
                     results[req.request_id].prompt_logprobs.append((pos, d))
 
         if step.sample_reqs:
-            if row_of is None:
+            if ctx.kept_rows is None:
                 sampled_hidden = hidden.index_select(0, sample_t)
             else:
-                sampled_hidden = hidden[[row_of[r] for r in step.sample_rows]]
+                # a sampled row is its sequence's last row, a new token no selector drops, so it is
+                # the last kept row of that sequence: found from host ints, without reading kept_rows
+                kept_cu = ctx.attn_metadata.cu_seqlens_q_cpu
+                seq_of_last = {c - 1: si for si, c in enumerate(cu[1:])}
+                kept = np.array([kept_cu[seq_of_last[r] + 1] - 1 for r in step.sample_rows], dtype=np.int64)
+                sampled_hidden = hidden.index_select(0, self.uploader.upload([kept])[0])
             logits = self.model.compute_logits(sampled_hidden).float()    # [num_sampled, vocab]
             self._sample(step.sample_reqs, logits, results)
         self.timings.forward_s += time.perf_counter() - t0

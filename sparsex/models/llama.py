@@ -100,6 +100,9 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)                            # [T, hidden]
         residual = None
         for i, layer in enumerate(self.layers):
+            hook = ctx.pre_layer_hooks.get(i)
+            if hook is not None:
+                hook()
             if ctx.row_selector is not None and i in ctx.row_selector.layers:
                 selection = ctx.row_selector(i, ctx)
                 if selection is not None:

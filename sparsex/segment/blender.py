@@ -133,11 +133,27 @@ class Blender:
 
     # ---- forward ----------------------------------------------------------------------------
     def prepare(self, sched, ctx: ForwardContext, runner) -> None:
+        """Before the forward: install the probe, the row selector and the copy hook. The copy plan
+        itself is built and launched from inside the forward, just before layer
+        `max(0, min F - 1)` (`_copy_reused`): the layers below it compute every row fresh and would
+        overwrite the copies anyway, and on the GPU the host builds the plan while those layers run."""
+        self._seqs = []
+        reuses = [s.reuse_plan.reuse for s in sched.scheduled if s.reuse_plan is not None]
+        first = max(0, min(r.full_layers for r in reuses) - 1)
+        self._uploader = runner.uploader
+        ctx.pre_layer_hooks[first] = lambda: self._copy_reused(sched, ctx, first)
+        probe_layers = {r.full_layers - 1 for r in reuses if r.selector in selectors.PROBE_SELECTORS}
+        ctx.probe_layers = frozenset(probe_layers)
+        ctx.probe = self._probe if probe_layers else None
+        ctx.row_selector = _RowSelector(self, frozenset(r.full_layers for r in reuses))
+
+    def _copy_reused(self, sched, ctx: ForwardContext, first_layer: int) -> None:
+        """Copy every hit's K/V of layers `first_layer`.. into the requests' own blocks, keys
+        re-rotated to their new positions, and record each blended sequence's rows."""
         md = ctx.attn_metadata
         cu = md.cu_seqlens_q_cpu
         dev = md.positions.device
         bs = self.block_size
-        self._seqs = []
         t0 = time.perf_counter()
         per_seq = []          # (seq index, plan, segment lengths, [7, R] int64 host plan, query rows)
         for si, s in enumerate(sched.scheduled):
@@ -148,7 +164,7 @@ class Blender:
             row0, pos0 = cu[si], req.num_computed_tokens
             table = np.fromiter((b.block_id for b in req.blocks), dtype=np.int64, count=len(req.blocks))
             # every reused row of every hit at once (vectorised over hits: 64 passages at 32k tokens
-            # made a per-hit loop of small numpy calls a few ms of host time before the GPU starts)
+            # made a per-hit loop of small numpy calls a few ms of host time)
             starts = np.array([span.start for span, _ in plan.hits], dtype=np.int64)       # new positions
             lens = np.array([span.end - span.start for span, _ in plan.hits], dtype=np.int64)
             old = np.array([entry.start_pos for _, entry in plan.hits], dtype=np.int64)   # computed at
@@ -161,32 +177,34 @@ class Blender:
             eb0 = np.cumsum([len(x) for x in entry_blocks]) - np.array([len(x) for x in entry_blocks])
             src = eb[eb0[seg] + ep // bs - old[seg] // bs] * bs + ep % bs
             dst = table[rp // bs] * bs + rp % bs
+            query_rows = self._query_rows(req, rp, pos0, row0, cu[si + 1] - cu[si])
             per_seq.append((si, plan, lens.tolist(),
                             np.stack([src, dst, (starts - old)[seg], rp - pos0 + row0, rp, offs, starts[seg]]),
-                            self._query_rows(req, rp, pos0, row0, cu[si + 1] - cu[si])))
-        # one upload for the whole step: [7, R_total] = src slot, dst slot, delta, row, position, offset, segment start
-        host = np.concatenate([x[3] for x in per_seq], axis=1)
-        up = torch.from_numpy(host).to(dev)
-        src_t, dst_t, delta_t = up[0], up[1], up[2]
-        col = 0
+                            query_rows))
+        # one upload for the whole step: the [7, R_total] plan (src slot, dst slot, delta, row,
+        # position, offset, segment start), then the query rows. Pinned and asynchronous: the GPU may
+        # still run the layers below `first_layer`, and a pageable upload would wait for them.
+        plan_h = np.concatenate([x[3] for x in per_seq], axis=1)
+        up = self._uploader.upload([np.concatenate([plan_h.ravel()] + [x[4] for x in per_seq])])[0]
+        plan_t, query_t = up[:plan_h.size].view(7, -1), up[plan_h.size:]
+        src_t, dst_t, delta_t = plan_t[0], plan_t[1], plan_t[2]
+        col = qcol = 0
         for si, plan, seg_lens, h, query_rows in per_seq:
-            part = up[:, col:col + h.shape[1]]
+            part = plan_t[:, col:col + h.shape[1]]
             col += h.shape[1]
             self._seqs.append(_SeqBlend(sched.scheduled[si].request, plan.reuse, part[3], part[4], part[5], part[6],
-                                        seq_index=si, seg_lens=seg_lens, query_rows=torch.from_numpy(query_rows).to(dev)))
+                                        seq_index=si, seg_lens=seg_lens,
+                                        query_rows=query_t[qcol:qcol + len(query_rows)]))
+            qcol += len(query_rows)
         inv_freq = self.model.rotary.inv_freq
+        caches = ctx.kv_caches[first_layer:]
         if dev.type == "cuda":
             from sparsex.layers.triton_rerotate import copy_and_rerotate
-            for k_cache, v_cache in ctx.kv_caches:
+            for k_cache, v_cache in caches:
                 copy_and_rerotate(k_cache, v_cache, src_t, dst_t, delta_t, inv_freq)
         else:
-            copy_and_rerotate_all_layers_torch(ctx.kv_caches, src_t, dst_t, delta_t, inv_freq)
+            copy_and_rerotate_all_layers_torch(caches, src_t, dst_t, delta_t, inv_freq)
         self.copy_seconds += time.perf_counter() - t0
-
-        probe_layers = {b.reuse.full_layers - 1 for b in self._seqs if b.reuse.selector in selectors.PROBE_SELECTORS}
-        ctx.probe_layers = frozenset(probe_layers)
-        ctx.probe = self._probe if probe_layers else None
-        ctx.row_selector = _RowSelector(self, frozenset(b.reuse.full_layers for b in self._seqs))
 
     @staticmethod
     def _query_rows(req: Request, reused_pos: np.ndarray, pos0: int, row0: int, num_rows: int) -> np.ndarray:
@@ -253,8 +271,9 @@ class Blender:
 
     def select(self, layer_idx: int, ctx: ForwardContext) -> tuple[torch.Tensor, list[int]] | None:
         """Rows to keep from layer `layer_idx` on, and how many each sequence keeps; None: all.
-        Everything stays on the device except one host sync for the per-sequence counts (the
-        sparse layers' metadata needs them), so the GPU is never left idle while the host scores."""
+        No host sync: how many rows a sequence keeps follows from the rule and the segment lengths
+        alone (`_keep_count`), so the host builds the sparse layers' metadata and keeps launching
+        while the GPU is still in the full layers."""
         t0 = time.perf_counter()
         md = ctx.attn_metadata
         keep = None                                                          # [num_rows] bool
@@ -262,32 +281,68 @@ class Blender:
         for b in self._seqs:
             if b.reuse.full_layers != layer_idx:
                 continue
-            keep_reused = self._keep_mask(b)                                 # [R] bool
             if keep is None:
                 keep = torch.ones(md.positions.shape[0], dtype=torch.bool, device=md.positions.device)
-            keep[self._current_rows(ctx, b.reused_rows)] = keep_reused
-            blends.append((b, keep_reused))
+            mask = self._keep_mask(b)
+            if mask.device.type == "cpu" and int(mask.sum()) != self._keep_count(b):    # free to check here
+                raise RuntimeError(f"keep mask has {int(mask.sum())} rows, _keep_count {self._keep_count(b)}")
+            keep[self._current_rows(ctx, b.reused_rows)] = mask
+            blends.append(b)
         if keep is None:
             return None
-        counts = torch.stack([m.sum() for _, m in blends]).tolist()          # the one sync
         rows_per_seq = [b - a for a, b in zip(md.cu_seqlens_q_cpu, md.cu_seqlens_q_cpu[1:])]
-        for (b, _), c in zip(blends, counts):
-            b.selected = c
-            rows_per_seq[b.seq_index] -= b.reused_rows.numel() - c
+        for b in blends:
+            b.selected = self._keep_count(b)
+            rows_per_seq[b.seq_index] -= b.reused_rows.numel() - b.selected
         self.selection_seconds += time.perf_counter() - t0
-        if all(b.selected == b.reused_rows.numel() for b, _ in blends):
+        if all(b.selected == b.reused_rows.numel() for b in blends):
             return None
-        return torch.nonzero(keep).flatten(), rows_per_seq
+        return _true_indices(keep, sum(rows_per_seq)), rows_per_seq
+
+    def _fixed_tokens(self, b: _SeqBlend) -> int:
+        """Leading tokens of every reused segment kept whatever the scores: `boundary_tokens`, and
+        for sparse_q its boundary share of the budget."""
+        r = b.reuse
+        n_fixed = r.boundary_tokens
+        if r.selector == "sparse_q" and self.boundary_share > 0 and self._budget(b) > 0:
+            n_fixed = max(n_fixed, self._boundary_per_segment(b))
+        return n_fixed
+
+    def _budget(self, b: _SeqBlend) -> int:
+        r = b.reuse
+        return int(round(r.recompute_ratio * b.reused_rows.numel())) if r.selector != "none" else 0
+
+    def _boundary_per_segment(self, b: _SeqBlend) -> int:
+        return max(1, int(round(self.boundary_share * self._budget(b))) // b.num_segments)
+
+    def _keep_count(self, b: _SeqBlend) -> int:
+        """How many reused rows `_keep_mask` keeps, from host data only (the GPU path must not sync)."""
+        if b.reuse.selector == "all":
+            return b.reused_rows.numel()
+        return self._num_fixed_rows(b) + self._num_scored_rows(b)
+
+    def _num_fixed_rows(self, b: _SeqBlend) -> int:
+        return sum(min(self._fixed_tokens(b), s) for s in b.seg_lens)
+
+    def _num_scored_rows(self, b: _SeqBlend) -> int:
+        """Rows picked by score on top of the fixed ones: sparse_q's boundary share is paid from the
+        budget, `boundary_tokens` come on top of it."""
+        k = self._budget(b)
+        if b.reuse.selector == "sparse_q" and self.boundary_share > 0 and k > 0:
+            k -= sum(min(self._boundary_per_segment(b), s) for s in b.seg_lens)
+        return min(max(k, 0), b.reused_rows.numel() - self._num_fixed_rows(b))
 
     def _keep_mask(self, b: _SeqBlend) -> torch.Tensor:
-        """[R] bool on the rows' device: which reused rows of `b` are recomputed past layer F."""
+        """[R] bool on the rows' device: which reused rows of `b` are recomputed past layer F:
+        the fixed leading tokens of each segment, then the top-scored others (exactly
+        `_keep_count(b)` rows)."""
         r = b.reuse
         n = b.reused_rows.numel()
         dev = b.offsets.device
         if r.selector == "all":
             return torch.ones(n, dtype=torch.bool, device=dev)
-        keep = torch.zeros(n, dtype=torch.bool, device=dev)
-        k = int(round(r.recompute_ratio * n)) if r.selector != "none" else 0
+        keep = b.offsets < self._fixed_tokens(b)
+        k = self._num_scored_rows(b)
         if k > 0:
             if r.selector == "boundary":
                 scores = selectors.boundary_scores(b.offsets)
@@ -295,15 +350,8 @@ class Blender:
                 scores = selectors.random_scores(n, self._gen).to(dev)
             else:
                 scores = b.scores.float()
-            if r.selector == "sparse_q" and self.boundary_share > 0:
-                per_segment = max(1, int(round(self.boundary_share * k)) // b.num_segments)
-                keep |= b.offsets < per_segment                              # the first tokens of every segment
-                k -= sum(min(per_segment, n_seg) for n_seg in b.seg_lens)
-                scores = scores.masked_fill(keep, float("-inf"))
-            if k > 0:
-                keep[torch.topk(scores, min(k, n)).indices] = True
-        if r.boundary_tokens > 0:
-            keep |= b.offsets < r.boundary_tokens
+            top = torch.topk(scores.masked_fill(keep, float("-inf")), k).indices
+            keep.index_fill_(0, top, True)          # not `keep[top] = True`: that syncs on CUDA
         return keep
 
     # ---- bookkeeping ------------------------------------------------------------------------
@@ -335,6 +383,17 @@ class Blender:
 
 
 _QUERY_ROWS = 128          # new rows (the last ones) whose attention weights sparse_q's scores
+
+
+def _true_indices(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Sorted indices of the `count` True entries of `mask` ([n] bool) -> [count] int64, without
+    the device->host sync `torch.nonzero` makes to learn its output size."""
+    n = mask.numel()
+    rank = torch.cumsum(mask, 0) - 1                                         # [n] rank among the True ones
+    out = torch.empty(count + 1, dtype=torch.int64, device=mask.device)
+    # False entries all write to the spare last slot, which is dropped
+    out.scatter_(0, torch.where(mask, rank, count), torch.arange(n, device=mask.device))
+    return out[:count]
 
 
 class _RowSelector:

@@ -60,13 +60,16 @@ def outside_segment_mass(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tenso
 def query_attention_mass(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
     """Mean attention probability that the rows `q` ([m, H, D] at positions q_pos) put on each key
     ([S, KVH, D]), averaged over rows and heads -> [S]. m is small (the new tokens). Grouped by KV
-    head (no copy of the keys per query head: at 32k keys that copy was the probe's largest tensor)."""
+    head (no copy of the keys per query head: at 32k keys that copy was the probe's largest tensor).
+    On the GPU the scores are made in the input dtype on the tensor cores and normalised in fp32:
+    an fp32 score matrix [KVH, m * G, S] was most of the probe's time at long contexts."""
     m, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
     group = num_heads // num_kv_heads
-    qg = q.float().view(m, num_kv_heads, group, head_dim).permute(1, 0, 2, 3).reshape(num_kv_heads, m * group, head_dim)
-    s = torch.bmm(qg, keys.float().permute(1, 2, 0)) * scale                   # [KVH, m * G, S]
-    s = s.view(num_kv_heads, m, group, -1)
-    visible = torch.arange(keys.shape[0], device=q.device)[None, :] <= q_pos[:, None]   # [m, S]
-    p = torch.softmax(s.masked_fill(~visible[None, :, None, :], float("-inf")), dim=-1)
-    return p.mean(dim=(0, 1, 2))
+    dtype = q.dtype if q.is_cuda else torch.float32
+    qg = (q.to(dtype) * scale).view(m, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
+    qg = qg.reshape(num_kv_heads, m * group, head_dim)
+    s = torch.bmm(qg, keys.to(dtype).permute(1, 2, 0)).view(num_kv_heads, m, group, -1)   # [KVH, m, G, S]
+    hidden = torch.arange(keys.shape[0], device=q.device)[None, :] > q_pos[:, None]        # [m, S]
+    s.masked_fill_(hidden[None, :, None, :], float("-inf"))
+    return torch.softmax(s, dim=-1, dtype=torch.float32).mean(dim=(0, 1, 2))
