@@ -17,6 +17,8 @@ Sections (each prints a table; all numbers of a table come from this one process
            recompute_ratio=0.15, default selector) vs "none" vs "prefix", with a CUDA-event breakdown.
   blendprof  one blended request at 16 and 64 passages (8k and 32k tokens): host time per engine phase and the GPU
            timeline (busy, idle, largest gaps) from torch.profiler.
+  syncs    every host<-device synchronisation of one blended request (torch's sync debug mode), with
+           the engine frames that made it; a blended step should sync only for its sampled token.
   smol     SmolLM2-135M (real weights, needs the staged GGUF): fp32 greedy tokens vs the CPU path
            (tests/data/smollm2_greedy_cpu.json) and vs transformers on the GPU; bf16 teacher-forced
            top-1 agreement with fp32.
