@@ -119,6 +119,7 @@ def test_select_rows_with_given_counts_matches_the_derived_ones():
     derived = md.select_rows(keep)
     given = md.select_rows(keep, [2, 3])
     assert derived.cu_seqlens_q_cpu == given.cu_seqlens_q_cpu == [0, 2, 5]
+    assert given.cu_seqlens_q.tolist() == [0, 2, 5] and given.cu_seqlens_q.dtype == torch.int32
     assert derived.max_seqlen_q == given.max_seqlen_q == 3
     with pytest.raises(ValueError, match="rows_per_seq"):
         md.select_rows(keep, [3, 3])

@@ -260,15 +260,10 @@ class ModelRunner:
                     results[req.request_id].prompt_logprobs.append((pos, d))
 
         if step.sample_reqs:
-            if ctx.kept_rows is None:
-                sampled_hidden = hidden.index_select(0, sample_t)
-            else:
-                # a sampled row is its sequence's last row, a new token no selector drops, so it is
-                # the last kept row of that sequence: found from host ints, without reading kept_rows
-                kept_cu = ctx.attn_metadata.cu_seqlens_q_cpu
-                seq_of_last = {c - 1: si for si, c in enumerate(cu[1:])}
-                kept = np.array([kept_cu[seq_of_last[r] + 1] - 1 for r in step.sample_rows], dtype=np.int64)
-                sampled_hidden = hidden.index_select(0, self.uploader.upload([kept])[0])
+            if ctx.kept_rows is not None:
+                # a sampled row is a new token, never dropped: its place among the kept rows, on the device
+                sample_t = torch.searchsorted(ctx.kept_rows, sample_t)
+            sampled_hidden = hidden.index_select(0, sample_t)
             logits = self.model.compute_logits(sampled_hidden).float()    # [num_sampled, vocab]
             self._sample(step.sample_reqs, logits, results)
         self.timings.forward_s += time.perf_counter() - t0

@@ -51,15 +51,12 @@ class AttentionMetadata:
         cu = [0]
         for c in rows_per_seq:
             cu.append(cu[-1] + c)
-        dev = self.cu_seqlens_q.device
-        cu_t = torch.tensor(cu, dtype=torch.int32)
-        if dev.type == "cuda":
-            # from pinned memory, asynchronously: a pageable upload waits for the GPU to drain
-            cu_t = cu_t.pin_memory().to(dev, non_blocking=True)
         return AttentionMetadata(
             positions=self.positions[keep],
             slot_mapping=self.slot_mapping[keep],
-            cu_seqlens_q=cu_t,
+            # the kept rows before sequence s's first row, counted on the device (an upload of `cu`
+            # would wait for the GPU to drain)
+            cu_seqlens_q=torch.searchsorted(keep, self.cu_seqlens_q.to(keep.dtype)).to(torch.int32),
             seq_lens=self.seq_lens,
             block_tables=self.block_tables,
             max_seqlen_q=max((b - a for a, b in zip(cu, cu[1:])), default=0),

@@ -140,14 +140,13 @@ class Blender:
         self._seqs = []
         reuses = [s.reuse_plan.reuse for s in sched.scheduled if s.reuse_plan is not None]
         first = max(0, min(r.full_layers for r in reuses) - 1)
-        self._uploader = runner.uploader
-        ctx.pre_layer_hooks[first] = lambda: self._copy_reused(sched, ctx, first)
+        ctx.pre_layer_hooks[first] = lambda: self._copy_reused(sched, ctx, first, runner.uploader)
         probe_layers = {r.full_layers - 1 for r in reuses if r.selector in selectors.PROBE_SELECTORS}
         ctx.probe_layers = frozenset(probe_layers)
         ctx.probe = self._probe if probe_layers else None
         ctx.row_selector = _RowSelector(self, frozenset(r.full_layers for r in reuses))
 
-    def _copy_reused(self, sched, ctx: ForwardContext, first_layer: int) -> None:
+    def _copy_reused(self, sched, ctx: ForwardContext, first_layer: int, uploader) -> None:
         """Copy every hit's K/V of layers `first_layer`.. into the requests' own blocks, keys
         re-rotated to their new positions, and record each blended sequence's rows."""
         md = ctx.attn_metadata
@@ -185,7 +184,7 @@ class Blender:
         # position, offset, segment start), then the query rows. Pinned and asynchronous: the GPU may
         # still run the layers below `first_layer`, and a pageable upload would wait for them.
         plan_h = np.concatenate([x[3] for x in per_seq], axis=1)
-        up = self._uploader.upload([np.concatenate([plan_h.ravel()] + [x[4] for x in per_seq])])[0]
+        up = uploader.upload([np.concatenate([plan_h.ravel()] + [x[4] for x in per_seq])])[0]
         plan_t, query_t = up[:plan_h.size].view(7, -1), up[plan_h.size:]
         src_t, dst_t, delta_t = plan_t[0], plan_t[1], plan_t[2]
         col = qcol = 0
@@ -284,53 +283,42 @@ class Blender:
             if keep is None:
                 keep = torch.ones(md.positions.shape[0], dtype=torch.bool, device=md.positions.device)
             mask = self._keep_mask(b)
-            if mask.device.type == "cpu" and int(mask.sum()) != self._keep_count(b):    # free to check here
-                raise RuntimeError(f"keep mask has {int(mask.sum())} rows, _keep_count {self._keep_count(b)}")
+            b.selected = self._keep_count(b)
+            if mask.device.type == "cpu" and int(mask.sum()) != b.selected:    # free to check here
+                raise RuntimeError(f"keep mask has {int(mask.sum())} rows, _keep_count {b.selected}")
             keep[self._current_rows(ctx, b.reused_rows)] = mask
             blends.append(b)
         if keep is None:
             return None
         rows_per_seq = [b - a for a, b in zip(md.cu_seqlens_q_cpu, md.cu_seqlens_q_cpu[1:])]
         for b in blends:
-            b.selected = self._keep_count(b)
             rows_per_seq[b.seq_index] -= b.reused_rows.numel() - b.selected
         self.selection_seconds += time.perf_counter() - t0
         if all(b.selected == b.reused_rows.numel() for b in blends):
             return None
         return _true_indices(keep, sum(rows_per_seq)), rows_per_seq
 
-    def _fixed_tokens(self, b: _SeqBlend) -> int:
-        """Leading tokens of every reused segment kept whatever the scores: `boundary_tokens`, and
-        for sparse_q its boundary share of the budget."""
+    def _keep_plan(self, b: _SeqBlend) -> tuple[int, int, int]:
+        """The rule of `b`, from host data only (the GPU path must not sync): (leading tokens of every
+        segment kept whatever the scores, how many rows that keeps, rows then picked by score).
+        sparse_q's boundary share is paid from the budget; `boundary_tokens` come on top of it."""
         r = b.reuse
-        n_fixed = r.boundary_tokens
-        if r.selector == "sparse_q" and self.boundary_share > 0 and self._budget(b) > 0:
-            n_fixed = max(n_fixed, self._boundary_per_segment(b))
-        return n_fixed
-
-    def _budget(self, b: _SeqBlend) -> int:
-        r = b.reuse
-        return int(round(r.recompute_ratio * b.reused_rows.numel())) if r.selector != "none" else 0
-
-    def _boundary_per_segment(self, b: _SeqBlend) -> int:
-        return max(1, int(round(self.boundary_share * self._budget(b))) // b.num_segments)
+        n = b.reused_rows.numel()
+        k = int(round(r.recompute_ratio * n)) if r.selector != "none" else 0
+        lead = r.boundary_tokens
+        if r.selector == "sparse_q" and self.boundary_share > 0 and k > 0:
+            per_segment = max(1, int(round(self.boundary_share * k)) // b.num_segments)
+            lead = max(lead, per_segment)
+            k -= sum(min(per_segment, s) for s in b.seg_lens)
+        num_lead = sum(min(lead, s) for s in b.seg_lens)
+        return lead, num_lead, min(max(k, 0), n - num_lead)
 
     def _keep_count(self, b: _SeqBlend) -> int:
-        """How many reused rows `_keep_mask` keeps, from host data only (the GPU path must not sync)."""
+        """How many reused rows `_keep_mask` keeps."""
         if b.reuse.selector == "all":
             return b.reused_rows.numel()
-        return self._num_fixed_rows(b) + self._num_scored_rows(b)
-
-    def _num_fixed_rows(self, b: _SeqBlend) -> int:
-        return sum(min(self._fixed_tokens(b), s) for s in b.seg_lens)
-
-    def _num_scored_rows(self, b: _SeqBlend) -> int:
-        """Rows picked by score on top of the fixed ones: sparse_q's boundary share is paid from the
-        budget, `boundary_tokens` come on top of it."""
-        k = self._budget(b)
-        if b.reuse.selector == "sparse_q" and self.boundary_share > 0 and k > 0:
-            k -= sum(min(self._boundary_per_segment(b), s) for s in b.seg_lens)
-        return min(max(k, 0), b.reused_rows.numel() - self._num_fixed_rows(b))
+        _, num_lead, num_scored = self._keep_plan(b)
+        return num_lead + num_scored
 
     def _keep_mask(self, b: _SeqBlend) -> torch.Tensor:
         """[R] bool on the rows' device: which reused rows of `b` are recomputed past layer F:
@@ -341,8 +329,8 @@ class Blender:
         dev = b.offsets.device
         if r.selector == "all":
             return torch.ones(n, dtype=torch.bool, device=dev)
-        keep = b.offsets < self._fixed_tokens(b)
-        k = self._num_scored_rows(b)
+        lead, _, k = self._keep_plan(b)
+        keep = b.offsets < lead
         if k > 0:
             if r.selector == "boundary":
                 scores = selectors.boundary_scores(b.offsets)
