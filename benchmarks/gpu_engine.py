@@ -468,26 +468,28 @@ def section_decode_profile(llm: LLM, ceil: dict) -> None:
 
 class BlendTimer:
     """CUDA events around the blended step's stages (the KV copy + re-rotation, launched from inside
-    the forward just before layer F-1; the probe = selection scoring inside layer F-1; selection
-    between layers F-1 and F; the sparse layers)."""
+    the forward just before layer F-1; the probe = selection scoring inside layer F-1; the row
+    selection, inside layer F-1 once it has stored every row's K/V; then the sparse part: layer
+    F-1's attention and MLP on the kept rows, and layers F..L-1)."""
 
     def __init__(self, runner, full_layers: int):
         self.active = False
         self.events: dict[str, torch.cuda.Event] = {}
         b = runner.blender
-        copy, probe = b._copy_reused, b._probe
+        copy, probe, select = b._copy_reused, b._probe, b.select
 
         def timed_copy(*a, **k):
             self._rec("prep0"); copy(*a, **k); self._rec("prep1")
 
         def timed_probe(*a, **k):
             self._rec("probe0"); probe(*a, **k); self._rec("probe1")
-        b._copy_reused, b._probe = timed_copy, timed_probe
+
+        def timed_select(*a, **k):
+            self._rec("sel0"); out = select(*a, **k); self._rec("sel1"); return out
+        b._copy_reused, b._probe, b.select = timed_copy, timed_probe, timed_select
         layers = runner.model.layers
         self.handles = [
             layers[0].register_forward_pre_hook(lambda m, a: self._rec("layer0")),
-            layers[full_layers - 1].register_forward_hook(lambda m, a, o: self._rec("full_end")),
-            layers[full_layers].register_forward_pre_hook(lambda m, a: self._rec("sparse0")),
             layers[-1].register_forward_hook(lambda m, a, o: self._rec("sparse_end")),
         ]
 
@@ -510,13 +512,23 @@ class BlendTimer:
         probe = el("probe0", "probe1") if "probe0" in e else 0.0
         copy = el("prep0", "prep1")
         copy_inside = list(e).index("prep0") > list(e).index("layer0")      # launched after layer 0 began
-        return {"kv copy+rerotate": copy, "full layers": el("layer0", "full_end") - probe - (copy if copy_inside else 0.0),
-                "selection scoring (probe)": probe, "row selection": el("full_end", "sparse0"),
-                "sparse layers": el("sparse0", "sparse_end")}
+        return {"kv copy+rerotate": copy, "full layers": el("layer0", "sel0") - probe - (copy if copy_inside else 0.0),
+                "selection scoring (probe)": probe, "row selection": el("sel0", "sel1"),
+                "sparse layers": el("sel1", "sparse_end")}
 
     def close(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def _alloc_counts() -> dict[str, int]:
+    """The caching allocator's calls to cudaMalloc / cudaFree so far (and retries after a failed
+    malloc, which free the whole cache): a blended step that has to grow the pool pays for them."""
+    if not torch.cuda.is_available():
+        return {"malloc": 0, "free": 0, "retries": 0}
+    st = torch.cuda.memory_stats()
+    return {"malloc": st.get("num_device_alloc", 0), "free": st.get("num_device_free", 0),
+            "retries": st.get("num_alloc_retries", 0)}
 
 
 def _ttft(llm: LLM, prompt: dict, tag: str) -> tuple[float, object]:
@@ -544,9 +556,12 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM) -> None:
     for k in SIZES["passages"]:
         passages = [rand_ids(plen) for _ in range(k)]
         prompt = lambda r, q: {"segments": [sys_ids] + [passages[(i + r) % k] for i in range(k)] + [q]}
+        # caches the passages; a filler first, so that no passage is computed right after the short
+        # head (the engine would not reuse such an early encoding later in a prompt: min_context_tokens)
+        prime = {"segments": [sys_ids, rand_ids(plen)] + passages + [rand_ids(48)]}
         for llm in (llm_prefix, llm_sx):
             llm.reset_cache()
-            _ttft(llm, prompt(0, rand_ids(48)), f"prime{k}-{id(llm)}")          # caches the passages
+            _ttft(llm, prime, f"prime{k}-{id(llm)}")
         if not warm["sys"]:
             _ttft(llm_none, prompt(0, rand_ids(48)), "warm-none")
             warm["sys"] = 1
@@ -558,6 +573,7 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM) -> None:
             t["prefix"].append(_ttft(llm_prefix, prompt(r, q), f"p{k}-{r}")[0])
             b = runner.blender
             c0, s0 = b.copy_seconds, b.selection_seconds
+            m0 = _alloc_counts()
             timer.start()
             ts, o = _ttft(llm_sx, prompt(r, q), f"s{k}-{r}")
             timer.active = False
@@ -565,26 +581,44 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM) -> None:
             splits.append(timer.split_ms())
             host.append({"copy_host_ms": 1e3 * (b.copy_seconds - c0), "selection_host_ms": 1e3 * (b.selection_seconds - s0),
                          "reused": o.num_reused_tokens, "recomputed": o.num_recomputed_tokens,
-                         "cached": o.num_cached_tokens})
+                         "cached": o.num_cached_tokens,
+                         "device_mallocs": {key: v - m0[key] for key, v in _alloc_counts().items()}})
+        # the same requests again, each engine's three back to back (after one untimed request):
+        # what a GPU serving one engine sees, without another engine's run in between
+        grouped = {}
+        for name, llm in (("none", llm_none), ("prefix", llm_prefix), ("sparsex", llm_sx)):
+            _ttft(llm, prompt(4, rand_ids(48)), f"g{name}{k}-warm")
+            m0 = _alloc_counts()
+            grouped[name] = 1e3 * statistics.median(_ttft(llm, prompt(r, rand_ids(48)), f"g{name}{k}-{r}")[0]
+                                                    for r in (5, 6, 7))
+            grouped[name + "_device_mallocs"] = {key: v - m0[key] for key, v in _alloc_counts().items()}
         med = {p: 1e3 * statistics.median(v) for p, v in t.items()}
         n_tok = len(sys_ids) + plen * k + 48
         split = {key: statistics.median([s[key] for s in splits if s[key] == s[key]] or [float("nan")])
                  for key in splits[0]}
         h = host[-1]
-        L, Fl = cfg.num_hidden_layers, reuse.full_layers
-        new = n_tok - h["reused"] - h["cached"]
-        floor = (Fl * (n_tok - h["cached"]) + (L - Fl) * (new + h["recomputed"])) / (L * n_tok)
+        # token-layers as workload_bench.FlopModel counts them: layers 0..F-2 every row, layer F-1
+        # every row's q/k/v and the kept rows' rest, layers F.. the kept rows
+        L, S = cfg.num_hidden_layers, max(reuse.full_layers - 1, 0)
+        h_, q_, kv_ = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        qkv_share = (q_ + 2 * kv_) / (2 * q_ + 2 * kv_ + 3 * cfg.intermediate_size)
+        rows_ = n_tok - h["cached"]
+        kept = rows_ - h["reused"] + h["recomputed"]
+        floor = (S * rows_ + (L - S) * kept + (rows_ - kept) * qkv_share) / (L * n_tok)
         rows.append([f"{k} x {plen} = {n_tok:,}", f"{med['none']:.1f}", f"{med['prefix']:.1f}", f"{med['sparsex']:.1f}",
-                     f"{med['sparsex'] / med['none']:.3f}", f"{floor:.3f}",
+                     f"{med['sparsex'] / med['none']:.3f}",
+                     f"{grouped['none']:.1f} / {grouped['sparsex']:.1f} / {grouped['sparsex'] / grouped['none']:.3f}",
+                     f"{floor:.3f}",
                      " / ".join(f"{split[key]:.1f}" for key in split),
                      f"{h['reused']:,} / {h['recomputed']:,}"])
         out.append({"passages": k, "tokens": n_tok, "ttft_ms": med, "gpu_split_ms": split, "host": host,
-                    "token_layer_share": floor})
+                    "token_layer_share": floor, "grouped_ttft_ms": grouped})
         log(f"blend {k}: {out[-1]}")
     timer.close()
     table("Blended prefill TTFT, passages cached in another order (random weights + random token ids, "
           "Llama-3-8B shape, bf16; full_layers=2, recompute_ratio=0.15, selector=" + reuse.selector + ")",
-          ["prompt tokens", "none ms", "prefix ms", "sparsex ms", "sparsex / none", "token-layer share",
+          ["prompt tokens", "none ms", "prefix ms", "sparsex ms", "sparsex / none",
+           "back to back: none / sparsex ms / ratio", "token-layer share",
            "sparsex GPU split ms: copy / full layers / scoring / selection / sparse layers", "reused / recomputed"],
           rows)
     RESULTS["blend"] = out

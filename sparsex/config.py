@@ -27,6 +27,11 @@ class ReuseConfig:
     selector: str = "sparse_q"
     boundary_tokens: int = 0             # also recompute the first k tokens of each reused segment
     min_segment_tokens: int = 16         # shorter pieces are not worth indexing
+    # a segment whose KV was computed starting before this position (with only the prompt's start
+    # before it: its keys carry that start's attention-sink shape) is reused only at a position
+    # before it too; later in a prompt it is recomputed, and its index entry replaced by that
+    # encoding. 0 = reuse every entry anywhere. docs/benchmarks.md, "early encodings".
+    min_context_tokens: int = 128
     # continue an exact prefix hit with blocks an earlier blended request left behind (its KV as it
     # is: approximate); off = blend every reused segment afresh (what fidelity evaluation needs)
     approx_prefix: bool = True
@@ -44,6 +49,8 @@ class ReuseConfig:
             raise ValueError(f"boundary_tokens must be an integer >= 0, got {self.boundary_tokens!r}")
         if not isinstance(self.min_segment_tokens, int) or self.min_segment_tokens < 1:
             raise ValueError(f"min_segment_tokens must be an integer >= 1, got {self.min_segment_tokens!r}")
+        if not isinstance(self.min_context_tokens, int) or self.min_context_tokens < 0:
+            raise ValueError(f"min_context_tokens must be an integer >= 0, got {self.min_context_tokens!r}")
         if not isinstance(self.approx_prefix, bool):
             raise ValueError(f"approx_prefix must be a bool, got {self.approx_prefix!r}")
         if self.selector in ("sparse_q", "kv_deviation") and self.full_layers < 1:

@@ -132,7 +132,10 @@ def test_counters_are_exact_and_prefix_plus_segments_work_together(llm_sx, passa
     head = "You are a careful assistant. Read every passage before answering, please.\n\n"   # > 1 block
     run_to_completion(eng, _prompt(eng, head, passages[:3], QUESTION), ONE)
     p = _prompt(eng, head, [passages[2], passages[0], passages[1]], QUESTION)
-    out, _ = run_to_completion(eng, p, ONE, reuse={"selector": "kv_deviation", "recompute_ratio": 0.2})
+    # min_context_tokens=0: passages[0] was computed right after the short head, and would
+    # otherwise be recomputed here (test_early_encodings_... covers that rule)
+    out, _ = run_to_completion(eng, p, ONE, reuse={"selector": "kv_deviation", "recompute_ratio": 0.2,
+                                                   "min_context_tokens": 0})
     n_head = len(tok.encode(head, add_special_tokens=False))
     lens = [len(tok.encode(x, add_special_tokens=False)) for x in passages[:3]]
     assert out.num_cached_tokens == (n_head // 16) * 16                    # exact prefix: the head's full blocks
@@ -259,3 +262,105 @@ def test_query_attention_mass_matches_per_head_softmax():
     got = selectors.query_attention_mass(q, keys, pos, 0.25)
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
     assert got[pos.max() + 1:].eq(0).all()                # keys after every row's position get nothing
+
+
+def test_rows_dropped_inside_the_selection_layer_equal_full_layer_then_drop(llm_sx, passages):
+    """The blender drops rows inside layer F-1, once it has stored every row's K/V: the kept rows'
+    outputs and every K/V written must equal running layer F-1 on all rows and dropping after it
+    (the dropped rows' layer F-1 outputs are read by nothing)."""
+    from sparsex.engine.forward_context import ForwardContext
+
+    runner = llm_sx.llm_engine.runner
+    model, cfg = runner.model, llm_sx.llm_engine.model_config
+    ids = torch.tensor(llm_sx.llm_engine.tokenizer(passages[0] + passages[1])["input_ids"][:230])
+    n, bs = len(ids), 16
+    nb = (n + bs - 1) // bs
+    g = torch.Generator().manual_seed(0)
+    keep = torch.sort(torch.randperm(n - 1, generator=g)[:41]).values
+    keep = torch.cat([keep, torch.tensor([n - 1])])                        # the sampled row stays
+
+    def caches():
+        shape = (nb + 1, bs, cfg.num_key_value_heads, cfg.head_dim)
+        # random, not zeros: slots a path does not write must keep whatever was there
+        return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(cfg.num_hidden_layers)]
+
+    def metadata():
+        table = (torch.arange(nb, dtype=torch.int32) + 1)[None]            # block 0 left unused
+        return AttentionMetadata(positions=torch.arange(n), slot_mapping=torch.arange(n) + bs,
+                                 cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
+                                 seq_lens=torch.tensor([n], dtype=torch.int32), block_tables=table,
+                                 max_seqlen_q=n, max_seq_len=n, cu_seqlens_q_cpu=[0, n], seq_lens_cpu=[n])
+
+    class DropInsideLayer1:
+        layers = frozenset({1})
+
+        def __call__(self, layer_idx, ctx):
+            return keep, [len(keep)]
+
+    kv_new = caches()
+    kv_ref = [(k.clone(), v.clone()) for k, v in kv_new]
+    with torch.no_grad():
+        ctx = ForwardContext(attn_metadata=metadata(), kv_caches=kv_new, backend=runner.backend,
+                             row_selector=DropInsideLayer1())
+        out_new = model(ids, torch.arange(n), ctx)
+        assert torch.equal(ctx.kept_rows, keep)
+        # reference: layers 0 and 1 on every row, then the rows are dropped before layer 2
+        ref = ForwardContext(attn_metadata=metadata(), kv_caches=kv_ref, backend=runner.backend)
+        hidden, residual, positions = model.embed_tokens(ids), None, torch.arange(n)
+        for i, layer in enumerate(model.layers):
+            if i == 2:
+                hidden, residual, positions = hidden[keep], residual[keep], positions[keep]
+                ref.attn_metadata = ref.attn_metadata.select_rows(keep, [len(keep)])
+            hidden, residual, _ = layer(positions, hidden, residual, ref)
+        out_ref, _ = model.norm(hidden, residual)
+    assert out_new.shape == (len(keep), cfg.hidden_size)
+    # float32; the two paths run layer 1's attention through different kernels (sparse rows vs a
+    # contiguous prefill), so they agree to rounding, not bit for bit
+    torch.testing.assert_close(out_new, out_ref, rtol=1e-3, atol=5e-4)
+    for (k1, v1), (k2, v2) in zip(kv_new, kv_ref):
+        torch.testing.assert_close(k1, k2, rtol=1e-3, atol=5e-4)
+        torch.testing.assert_close(v1, v2, rtol=1e-3, atol=5e-4)
+
+
+def test_early_encodings_are_reused_only_early_and_replaced_when_recomputed(llm_sx, passages):
+    """`min_context_tokens`: a segment computed with little before it (here right after a short
+    head) is not reused later in a prompt; there it is recomputed and its index entry replaced by
+    that encoding, which later prompts then reuse anywhere."""
+    eng = llm_sx.llm_engine
+    eng.reset_cache()
+    head = "System: answer from the passages.\n\n"
+    n_head = len(eng.tokenizer.encode(head, add_special_tokens=False))
+    lens = [len(eng.tokenizer.encode(x, add_special_tokens=False)) for x in passages[:4]]
+    assert n_head < 128 <= n_head + lens[0]
+    reuse = {"selector": "kv_deviation", "min_context_tokens": 128}
+    a = _prompt(eng, head, passages[:2], QUESTION)                # p0 early, p1 after p0
+    run_to_completion(eng, a, ONE, reuse=reuse)
+    p0 = eng.tokenizer.encode(passages[0], add_special_tokens=False)
+    early = eng.segment_index.lookup(p0, None, count=False)
+    assert early is not None and early.start_pos == n_head
+
+    # p0 later in the prompt: a miss (recomputed), and its entry now holds that encoding
+    b = _prompt(eng, "Another head.\n", [passages[2], passages[0]], QUESTION)
+    out, _ = run_to_completion(eng, b, ONE, reuse=reuse)
+    assert out.num_reused_tokens == 0                               # p2 is new, p0's early entry refused
+    moved = eng.segment_index.lookup(p0, None, count=False)
+    assert moved is not early and moved.start_pos >= 128
+    eng.check_integrity()
+
+    # the new encoding is reused anywhere, early positions included
+    c = _prompt(eng, "Third head.\n", [passages[0], passages[3]], QUESTION)
+    out, _ = run_to_completion(eng, c, ONE, reuse=reuse)
+    assert out.num_reused_tokens == lens[0]
+    # with the rule off, an early entry is reused anywhere
+    eng.reset_cache()
+    run_to_completion(eng, a, ONE, reuse={**reuse, "min_context_tokens": 0})
+    out, _ = run_to_completion(eng, b, ONE, reuse={**reuse, "min_context_tokens": 0})
+    assert out.num_reused_tokens == lens[0]
+    # an early entry is still reused at an early position
+    eng.reset_cache()
+    run_to_completion(eng, a, ONE, reuse=reuse)
+    early = eng.segment_index.lookup(p0, None, count=False)
+    d = _prompt(eng, "Other.\n", [passages[0], passages[3]], QUESTION)
+    out, _ = run_to_completion(eng, d, ONE, reuse=reuse)
+    assert out.num_reused_tokens == lens[0]
+    assert eng.segment_index.lookup(p0, None, count=False) is early

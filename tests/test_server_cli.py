@@ -68,3 +68,7 @@ def test_engine_flags_reach_the_reuse_config():
     assert engine_config(p.parse_args(["serve"])).reuse.approx_prefix is True
     cfg = engine_config(p.parse_args(["serve", "--no-approx-prefix", "--recompute-ratio", "0.3"]))
     assert cfg.reuse.approx_prefix is False and cfg.reuse.recompute_ratio == 0.3
+    assert engine_config(p.parse_args(["serve"])).reuse.min_context_tokens == 128
+    assert engine_config(p.parse_args(["serve", "--min-context-tokens", "0"])).reuse.min_context_tokens == 0
+    with pytest.raises(ValueError, match="min_context_tokens"):
+        engine_config(p.parse_args(["serve", "--min-context-tokens", "-1"])).reuse.verify()

@@ -63,10 +63,14 @@ def build_queries(engine: LLMEngine, num_queries: int, k: int, seed: int):
 
 
 def compute_share(res: FidelityResult, num_layers: int, full_layers: int) -> float:
+    """Token-layers computed / full prefill. Layers 0..S-1 (S = max(F-1, 0)) run every row; the
+    selection layer S and the ones after it run the kept rows (the dropped rows' q/k/v projection
+    in layer S is left out here: workload_bench's FlopModel counts it)."""
     n = res.num_prompt_tokens - res.num_cached_tokens
     reused, rec = res.num_reused_tokens, res.num_recomputed_tokens
     new = n - reused
-    computed = (n * full_layers + (new + rec) * (num_layers - full_layers))
+    s = max(min(full_layers, num_layers) - 1, 0)
+    computed = (n * s + (new + rec) * (num_layers - s))
     return computed / (res.num_prompt_tokens * num_layers)
 
 

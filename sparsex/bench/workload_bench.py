@@ -177,7 +177,7 @@ class RequestRecord:
     reused_tokens: int            # served from the segment cache (approx_prefix_tokens included)
     recomputed_tokens: int        # of the reused ones, recomputed in the sparse layers
     computed_tokens: int          # rows with fresh KV in the last layer: new + recomputed
-    token_layers: int             # (row, layer) pairs computed in the prefill
+    token_layers: float           # (row, layer) pairs computed in the prefill (FlopModel.prefill)
     prefill_gflops: float
     ttft_s: float
     selection_ms: float
@@ -256,15 +256,24 @@ class FlopModel:
         mlp = 3 * self.hidden * self.intermediate
         return 2 * (q_o + kv + mlp)
 
-    def prefill(self, num_prompt: int, num_cached: int, reused_spans: list[tuple[int, int]],
-                num_recomputed: int, full_layers: int) -> tuple[int, float]:
-        """(token-layers, FLOPs) of one prefill.
+    @property
+    def qkv_per_row_layer(self) -> int:
+        return 2 * self.hidden * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
 
-        Rows at positions [num_cached, num_prompt) run layers 0..full_layers-1; the sparse layers
-        run the new rows (outside `reused_spans`) plus `num_recomputed` reused rows. Which reused
-        rows the selector kept is not reported by the engine, so their attention is costed at the
-        reused rows' mean position (exact for their count and their linear FLOPs)."""
+    def prefill(self, num_prompt: int, num_cached: int, reused_spans: list[tuple[int, int]],
+                num_recomputed: int, full_layers: int) -> tuple[float, float]:
+        """(token-layers, FLOPs) of one prefill. Token-layers count a row's pass through a layer as
+        1, and a dropped row's q/k/v projection in the selection layer as its share of a layer's
+        linear FLOPs.
+
+        Rows at positions [num_cached, num_prompt) run layers 0..S-1 in full (S = max(F-1, 0), the
+        selection layer, blender.selection_layer); layer S computes every row's q/k/v and the rest
+        for the kept rows only; layers S+1.. run the kept rows: the new rows (outside
+        `reused_spans`) plus `num_recomputed` reused rows. Which reused rows the selector kept is
+        not reported by the engine, so their attention is costed at the reused rows' mean position
+        (exact for their count and their linear FLOPs)."""
         L, F = self.num_layers, min(full_layers, self.num_layers)
+        S = max(F - 1, 0)
         rows = num_prompt - num_cached
         keys_all = _keys(num_cached, num_prompt)
         reused = sum(e - s for s, e in reused_spans)
@@ -272,8 +281,9 @@ class FlopModel:
         mean_keys = keys_reused / reused if reused else 0.0
         sparse_rows = rows - reused + num_recomputed
         sparse_keys = keys_all - keys_reused + num_recomputed * mean_keys
-        token_layers = F * rows + (L - F) * sparse_rows
-        attn = 4 * self.num_heads * self.head_dim * (F * keys_all + (L - F) * sparse_keys)
+        qkv_share = self.qkv_per_row_layer / self.linear_per_row_layer
+        token_layers = S * rows + (L - S) * sparse_rows + (rows - sparse_rows) * qkv_share
+        attn = 4 * self.num_heads * self.head_dim * (S * keys_all + (L - S) * sparse_keys)
         return token_layers, float(token_layers * self.linear_per_row_layer + attn + 2 * self.hidden * self.vocab)
 
 
@@ -354,6 +364,24 @@ def _warm_up(engine: LLMEngine) -> None:
 
 
 # ============================================================================ workload + reference
+
+def ingestion_preamble(cfg: WorkloadBenchConfig, tokenizer: Any, used: set[str]) -> str:
+    """rag --prewarm: the text that opens every ingestion prompt: wiki passages from past the
+    workload's corpus that no query uses, at least `ReuseConfig.min_context_tokens` tokens of them."""
+    from sparsex.bench import workloads
+    from sparsex.config import ReuseConfig
+    p = cfg.params
+    need = ReuseConfig().min_context_tokens
+    extra = workloads.build_passages(tokenizer, p.num_passages + 8, *p.passage_tokens)[p.num_passages:]
+    body = ""
+    for x in extra:
+        text = x.text + workloads._PASSAGE_SEP
+        if text not in used:
+            body += text
+            if len(tokenizer.encode(body, add_special_tokens=False)) >= need:
+                break
+    return body
+
 
 def build_workload(cfg: WorkloadBenchConfig, tokenizer: Any) -> list[Request]:
     from sparsex.bench import workloads
@@ -551,8 +579,8 @@ class TokenizedWorkload:
     warm_prompts: list[TokenizedPrompt] = field(default_factory=list)   # rag prewarm: head + k passages
 
 
-def _tokenized_workload(engines: EngineCache, make: Callable[[Any], list[Request]],
-                        prewarm: bool = False) -> TokenizedWorkload:
+def _tokenized_workload(engines: EngineCache, make: Callable[[Any], list[Request]], prewarm: bool = False,
+                        make_preamble: Callable[[Any, set[str]], str] | None = None) -> TokenizedWorkload:
     """The workload built with a one-block engine's tokenizer: only the tokenizer and the model's
     shape are needed, and the KV pools are sized from the prompts."""
     from sparsex.bench.fidelity import pieces_prompt
@@ -564,12 +592,17 @@ def _tokenized_workload(engines: EngineCache, make: Callable[[Any], list[Request
         # rag: segments = [system head, k passages, question]. Every distinct passage once, k to a prompt
         # in first-use order, so each one's KV is computed after other passages, as in a query: KV of a
         # passage encoded alone after the system head was measured to make every reuse policy far worse
-        # (docs/benchmarks.md, "steady state")
+        # (docs/benchmarks.md, "steady state"). Each ingestion prompt opens with a preamble, a passage
+        # from outside the workload's corpus, so that no passage is computed right after the head
+        # (the engine would not reuse such an early encoding later in a prompt: min_context_tokens)
         passages = list(dict.fromkeys(p for r in requests for p in r.segments[1:-1]))
         head, k = requests[0].segments[0], max(1, len(requests[0].segments) - 2)
+        preamble = make_preamble(probe.tokenizer, set(passages)) if make_preamble is not None else None
         for i in range(0, len(passages), k):
             chunk = passages[i:i + k]
-            warm.append(pieces_prompt(probe, [head, *chunk, "\n"], [True] * (len(chunk) + 2)))
+            lead = [preamble] if preamble is not None else []
+            warm.append(pieces_prompt(probe, [head, *lead, *chunk, "\n"],
+                                      [True] + [False] * len(lead) + [True] * (len(chunk) + 1)))
     return TokenizedWorkload(requests, prompts, FlopModel.from_config(probe.model_config),
                              probe.config.block_size, probe.tokenizer, warm)
 
@@ -603,7 +636,8 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
     env = environment(cfg.model, cfg.dtype)
     t_start = time.time()
 
-    w = _tokenized_workload(engines, lambda tok: build_workload(cfg, tok), prewarm=cfg.prewarm)
+    w = _tokenized_workload(engines, lambda tok: build_workload(cfg, tok), prewarm=cfg.prewarm,
+                            make_preamble=lambda tok, used: ingestion_preamble(cfg, tok, used))
     requests, prompts, flops, bs = w.requests, w.prompts, w.flops, w.block_size
     if own:
         engines.release("none")
@@ -750,7 +784,8 @@ def write_outputs(out: str, cfg: WorkloadBenchConfig, policies: list[Policy], re
         json.dump({**meta, "summary": [asdict(s) for s in summaries]}, f, indent=1)
     _write_csv(os.path.join(out, "summary.csv"), [asdict(s) for s in summaries])
     with open(os.path.join(out, "summary.md"), "w") as f:
-        warm = f" after ingesting the corpus in {env['prewarm_prompts']} prompts (untimed)" if cfg.prewarm else ""
+        warm = (f" after ingesting the corpus in {env['prewarm_prompts']} prompts, each opened by a preamble "
+                "passage (untimed)") if cfg.prewarm else ""
         f.write(f"{cfg.workload}: {env['num_requests']} requests{warm}, fidelity on {env['fidelity_requests']} "
                 f"({cfg.fidelity_tokens} teacher-forced tokens); {env['model']} {env['dtype']}, "
                 f"{env['torch_threads']} thread(s), {env['cpu']}, load {env['load_avg_start']:.1f}→"
@@ -1096,7 +1131,8 @@ def add_workload_bench_parser(subparsers: argparse._SubParsersAction) -> argpars
     g.add_argument("--answer-tokens", type=int, default=32, help="rag: greedy answer cap (EOS stops earlier)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool per engine (default: workload fits)")
     g.add_argument("--prewarm", action="store_true",
-                   help="rag: ingest every passage once, k to a prompt (untimed), before each policy's replay: the steady state")
+                   help="rag: ingest every passage once, k to a prompt after a preamble passage (untimed), before "
+                        "each policy's replay: the steady state")
     g = p.add_argument_group("workload size")
     d = WorkloadParams()
     g.add_argument("--queries", type=int, default=None,

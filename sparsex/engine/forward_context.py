@@ -1,5 +1,6 @@
 """What one forward pass needs besides token ids: attention metadata, KV caches, backend, and
-SparseX's hooks (a probe that observes a full layer, a row selector that drops rows between layers)."""
+SparseX's hooks (a probe that observes a layer's fresh K/V, a row selector that drops rows inside a
+layer once its K/V are stored)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,7 +12,9 @@ from sparsex.layers.attention_metadata import AttentionMetadata
 
 
 class RowSelector(Protocol):
-    layers: frozenset[int]   # layer indices before which rows are selected
+    # layers inside which rows are selected: after the layer has stored every row's K/V, before
+    # its attention (so that layer's K/V are fresh for all rows, and only kept rows go further)
+    layers: frozenset[int]
 
     def __call__(self, layer_idx: int, ctx: "ForwardContext") -> tuple[torch.Tensor, list[int]] | None:
         """Row indices (sorted, int64) to keep from here on and how many rows each sequence keeps

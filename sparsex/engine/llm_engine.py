@@ -97,7 +97,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: Any | TokenizedPrompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, reuse: dict | None = None) -> None:
         """Validate and queue. `reuse` overrides segment-reuse knobs for this request
-        (full_layers, recompute_ratio, selector, boundary_tokens)."""
+        (any `ReuseConfig` field: full_layers, recompute_ratio, selector, boundary_tokens, ...)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")

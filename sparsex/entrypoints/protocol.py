@@ -46,6 +46,8 @@ class ReuseOptions(_Request):
     recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
     selector: str | None = None
     boundary_tokens: int | None = Field(default=None, ge=0)
+    min_context_tokens: int | None = Field(default=None, ge=0, description="a segment computed before this "
+                                           "position is reused only before it (elsewhere recomputed)")
     approx_prefix: bool | None = Field(default=None, description="continue a prefix hit with blended KV "
                                        "that earlier requests left (false: blend every reused segment afresh)")
 

@@ -62,6 +62,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="segment reuse: also recompute each segment's first k tokens")
     g.add_argument("--min-segment-tokens", type=int, default=r["min_segment_tokens"],
                    help="segment reuse: shorter pieces are not indexed")
+    g.add_argument("--min-context-tokens", type=int, default=r["min_context_tokens"],
+                   help="segment reuse: a segment computed before this position is reused only before it "
+                        "(elsewhere recomputed and re-indexed); 0 = reuse anywhere")
     g.add_argument("--no-approx-prefix", dest="approx_prefix", action="store_false", default=r["approx_prefix"],
                    help="segment reuse: blend every reused segment afresh instead of continuing an earlier "
                         "request's blended blocks (slower, closer to full prefill)")
@@ -102,7 +105,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     reuse = ReuseConfig(full_layers=args.full_layers, recompute_ratio=args.recompute_ratio, selector=args.selector,
                         boundary_tokens=args.boundary_tokens, min_segment_tokens=args.min_segment_tokens,
-                        approx_prefix=args.approx_prefix)
+                        min_context_tokens=args.min_context_tokens, approx_prefix=args.approx_prefix)
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache=args.cache, seed=args.seed,
                         block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
                         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -5,6 +5,9 @@ concatenated; `AttentionMetadata` says which rows belong to which sequence.
 """
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,7 +35,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.rotary = rotary
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext,
+                select: Callable[[], torch.Tensor | None] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (output rows, `keep`): `select`, when given, is called once this layer's K/V of
+        every row are stored and may narrow the rows (sorted indices `keep`) whose attention and
+        output are computed; the caller narrows its residual and positions the same way."""
         qkv = self.qkv_proj(hidden)                                      # [T, q_size + 2*kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)                    # [T, H, D]
@@ -43,8 +51,13 @@ class Attention(nn.Module):
         if ctx.probe is not None and self.layer_idx in ctx.probe_layers:
             ctx.probe(self.layer_idx, q, k, v, k_cache, v_cache, ctx)
         ctx.backend.store_kv(k, v, k_cache, v_cache, ctx.attn_metadata.slot_mapping)
+        keep = select() if select is not None else None
+        if keep is not None:
+            # SparseX's selection layer: every row's K/V are fresh (the probe read them), but only
+            # the kept rows go on, so the others' attention, o_proj and MLP here would be wasted
+            q, k, v = q[keep], None, None                                # [kept, H, D]
         o = ctx.backend.attention(q, k_cache, v_cache, ctx.attn_metadata, self.scale, key=k, value=v)  # [T, H, D]
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return self.o_proj(o.reshape(-1, self.q_size)), keep
 
 
 class MLP(nn.Module):
@@ -73,14 +86,28 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, ctx: ForwardContext):
+    def forward(self, positions, hidden, residual, ctx: ForwardContext, select=None):
+        """Returns (hidden, residual, keep); `keep` as `Attention.forward` returns it."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, ctx)
+        hidden, keep = self.self_attn(positions, hidden, ctx, select)
+        if keep is not None:
+            residual = residual[keep]
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden), residual, keep
+
+
+def _select_rows(layer_idx: int, ctx: ForwardContext) -> torch.Tensor | None:
+    """Ask the row selector which rows go on from inside layer `layer_idx`; narrow the metadata."""
+    selection = ctx.row_selector(layer_idx, ctx)
+    if selection is None:
+        return None
+    keep, rows_per_seq = selection                                       # indices into current rows
+    ctx.attn_metadata = ctx.attn_metadata.select_rows(keep, rows_per_seq)
+    ctx.kept_rows = keep if ctx.kept_rows is None else ctx.kept_rows[keep]
+    return keep
 
 
 class LlamaForCausalLM(nn.Module):
@@ -103,15 +130,12 @@ class LlamaForCausalLM(nn.Module):
             hook = ctx.pre_layer_hooks.get(i)
             if hook is not None:
                 hook()
+            select = None
             if ctx.row_selector is not None and i in ctx.row_selector.layers:
-                selection = ctx.row_selector(i, ctx)
-                if selection is not None:
-                    keep, rows_per_seq = selection                       # indices into current rows
-                    hidden, positions = hidden[keep], positions[keep]
-                    residual = residual[keep] if residual is not None else None
-                    ctx.attn_metadata = ctx.attn_metadata.select_rows(keep, rows_per_seq)
-                    ctx.kept_rows = keep if ctx.kept_rows is None else ctx.kept_rows[keep]
-            hidden, residual = layer(positions, hidden, residual, ctx)
+                select = functools.partial(_select_rows, i, ctx)
+            hidden, residual, keep = layer(positions, hidden, residual, ctx, select)
+            if keep is not None:
+                positions = positions[keep]
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

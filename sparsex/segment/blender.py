@@ -4,12 +4,16 @@ all inside the normal forward pass.
 For a request whose prompt is P (exact prefix hit) + reused segments R1..Rm + new tokens N:
 
   plan()     at admission: look up each prompt segment after P in the segment index; lock hits.
-  prepare()  before the forward: copy every hit's K/V (all layers) into the request's own blocks,
-             re-rotating keys from the positions they were computed at to their new positions;
-             install a probe on layer F-1 and a row selector before layer F (F = full_layers).
-  forward    layers 0..F-1 compute every row of R ∪ N (their fresh K/V overwrite the copies);
-             at layer F the selector keeps N plus the top-scored reused rows; layers F..L-1 run
-             only those rows, each attending at its absolute position over all keys <= it.
+  prepare()  before the forward: install the copy hook (every hit's K/V, from layer F-1 on, into
+             the request's own blocks, keys re-rotated from the positions they were computed at
+             to their new positions), a probe on layer F-1 and a row selector inside layer F-1
+             (F = full_layers).
+  forward    layers 0..F-2 compute every row of R ∪ N; layer F-1 computes every row's K/V (the
+             fresh ones overwrite the copies; the probe scores from them), then the selector keeps
+             N plus the top-scored reused rows, and layer F-1's attention and MLP and layers
+             F..L-1 run only those rows, each attending at its absolute position over all keys <= it.
+             The dropped rows' outputs of layer F-1 would be read by nothing, so computing them
+             would only cost: their K/V are all later layers need of them.
   after_step unlock hits; register the request's not-yet-indexed segments (their KV is in its
              blocks already); record counters.
 
@@ -107,6 +111,8 @@ class Blender:
             queried += span.end - span.start
             # counted in `admitted`: a request that waits is planned again next step
             entry = self.index.lookup(toks[span.start:span.end], req.cache_salt, count=False)
+            if entry is not None and _early(entry.start_pos, reuse) and not _early(span.start, reuse):
+                entry = None      # recomputed here; `_register` then replaces the early encoding
             if entry is not None:
                 self.index.lock(entry)
                 hits.append((span, entry))
@@ -144,7 +150,7 @@ class Blender:
         probe_layers = {r.full_layers - 1 for r in reuses if r.selector in selectors.PROBE_SELECTORS}
         ctx.probe_layers = frozenset(probe_layers)
         ctx.probe = self._probe if probe_layers else None
-        ctx.row_selector = _RowSelector(self, frozenset(r.full_layers for r in reuses))
+        ctx.row_selector = _RowSelector(self, frozenset(selection_layer(r) for r in reuses))
 
     def _copy_reused(self, sched, ctx: ForwardContext, first_layer: int, uploader) -> None:
         """Copy every hit's K/V of layers `first_layer`.. into the requests' own blocks, keys
@@ -269,7 +275,8 @@ class Blender:
         return dev * (1.0 + imp / imp.mean().clamp_min(1e-12))
 
     def select(self, layer_idx: int, ctx: ForwardContext) -> tuple[torch.Tensor, list[int]] | None:
-        """Rows to keep from layer `layer_idx` on, and how many each sequence keeps; None: all.
+        """Rows to keep from layer `layer_idx`'s attention on, and how many each sequence keeps;
+        None: all.
         No host sync: how many rows a sequence keeps follows from the rule and the segment lengths
         alone (`_keep_count`), so the host builds the sparse layers' metadata and keeps launching
         while the GPU is still in the full layers."""
@@ -278,7 +285,7 @@ class Blender:
         keep = None                                                          # [num_rows] bool
         blends = []
         for b in self._seqs:
-            if b.reuse.full_layers != layer_idx:
+            if selection_layer(b.reuse) != layer_idx:
                 continue
             if keep is None:
                 keep = torch.ones(md.positions.shape[0], dtype=torch.bool, device=md.positions.device)
@@ -321,7 +328,8 @@ class Blender:
         return num_lead + num_scored
 
     def _keep_mask(self, b: _SeqBlend) -> torch.Tensor:
-        """[R] bool on the rows' device: which reused rows of `b` are recomputed past layer F:
+        """[R] bool on the rows' device: which reused rows of `b` go on past the selection (the
+        K/V store of layer F-1) and are recomputed in every later layer:
         the fixed leading tokens of each segment, then the top-scored others (exactly
         `_keep_count(b)` rows)."""
         r = b.reuse
@@ -365,9 +373,25 @@ class Blender:
             if span.end - span.start < min_len or span.end > req.num_computed_tokens:
                 continue
             seg = toks[span.start:span.end]
-            if self.index.lookup(seg, req.cache_salt, count=False) is not None:
-                continue
+            entry = self.index.lookup(seg, req.cache_salt, count=False)
+            if entry is not None:
+                if not (_early(entry.start_pos, req.reuse) and not _early(span.start, req.reuse)
+                        and entry.locks == 0):
+                    continue
+                self.index.remove(entry)      # an early encoding, recomputed here with more context
             self.index.insert(seg, req.cache_salt, req.blocks, span.start)
+
+
+def _early(start_pos: int, reuse: ReuseConfig) -> bool:
+    """A segment starting at `start_pos` has too little context before it (`min_context_tokens`)."""
+    return start_pos < reuse.min_context_tokens
+
+
+def selection_layer(reuse: ReuseConfig) -> int:
+    """The layer inside which reused rows are dropped (after it stores every row's K/V): F-1, the
+    layer the probe reads. With F = 0 that is layer 0, whose K/V depend on token and position only,
+    so its fresh K/V equal the re-rotated copies."""
+    return max(reuse.full_layers - 1, 0)
 
 
 _QUERY_ROWS = 128          # new rows (the last ones) whose attention weights sparse_q's scores

@@ -101,6 +101,13 @@ class SegmentIndex:
         self.num_inserted += 1
         return entry
 
+    def remove(self, entry: SegmentEntry) -> None:
+        """Drop an entry (unpinning its blocks), e.g. to replace it by a better encoding."""
+        if entry.locks:
+            raise RuntimeError("remove of a locked segment entry")
+        self._remove(entry)
+        self.num_evicted -= 1                  # a replacement, not an eviction
+
     def lock(self, entry: SegmentEntry) -> None:
         entry.locks += 1
 
