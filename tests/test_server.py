@@ -294,6 +294,7 @@ CHAT_ERRORS = [
     ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}, "presence_penalty"),
     ({"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, None),
     ({"messages": [{"role": "user", "content": "hi"}], "reuse": {"selector": "nope"}}, "reuse"),
+    ({"messages": [{"role": "user", "content": "hi"}], "reuse": {"min_context_tokens": -1}}, None),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages.0.content.0"),
     ({"messages": [{"role": "user", "content": "hi"}], "seed": 2 ** 70}, "seed"),
 ]
@@ -318,7 +319,7 @@ def _assert_error(r: httpx.Response, status: int, param: str | None = None) -> N
         assert err["param"] == param, err
 
 
-@pytest.mark.parametrize("body,param", CHAT_ERRORS, ids=[p or "stop" for _, p in CHAT_ERRORS])
+@pytest.mark.parametrize("body,param", CHAT_ERRORS, ids=[p or next(iter(set(b) - {"messages"})) for b, p in CHAT_ERRORS])
 def test_chat_errors(server, body, param):
     _assert_error(server.post("/v1/chat/completions", {"model": server.model, "max_tokens": 2, **body}), 400, param)
 
