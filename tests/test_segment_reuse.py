@@ -364,3 +364,28 @@ def test_early_encodings_are_reused_only_early_and_replaced_when_recomputed(llm_
     out, _ = run_to_completion(eng, d, ONE, reuse=reuse)
     assert out.num_reused_tokens == lens[0]
     assert eng.segment_index.lookup(p0, None, count=False) is early
+
+
+def test_teacher_forced_run_plans_the_same_hits_as_the_plain_request(llm_sx, passages):
+    """A teacher-forced prompt (prompt + continuation, `query_horizon` = the prompt's length) must
+    plan the hits the plain request plans: the question holds the plain request's last token, so it
+    is never reused, even when an earlier request indexed the same question."""
+    from sparsex.bench.fidelity import teacher_forced
+
+    eng = llm_sx.llm_engine
+    eng.reset_cache()
+    # a head past min_context_tokens: no passage is an early encoding, so both runs plan alike
+    head = "System: answer from the passages, and read them all first, please. " * 9 + "\n\n"
+    assert len(eng.tokenizer.encode(head, add_special_tokens=False)) >= 128
+    pieces = [head, passages[0], passages[1], QUESTION]
+    p = pieces_prompt(eng, pieces, [True] * 4)                      # the question is a segment too
+    out_plain, _ = run_to_completion(eng, p, ONE)
+    assert eng.segment_index.lookup(p.token_ids[p.segments[-1].start:], None, count=False) is not None
+    swapped = pieces_prompt(eng, [head, passages[1], passages[0], QUESTION], [True] * 4)
+    plain, _ = run_to_completion(eng, swapped, ONE, reuse={"approx_prefix": False})
+    cont = eng.tokenizer.encode(" The first one.", add_special_tokens=False)
+    ref_lps = [torch.zeros(eng.model_config.vocab_size) for _ in cont]
+    tf = teacher_forced(eng, swapped, cont, ref_lps)
+    assert plain.num_reused_tokens > 0
+    assert tf.num_reused_tokens == plain.num_reused_tokens          # the question is not a hit
+    assert tf.num_recomputed_tokens == plain.num_recomputed_tokens

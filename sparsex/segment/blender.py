@@ -103,10 +103,13 @@ class Blender:
         hits = []
         queried = 0
         toks = req.prompt_token_ids
+        # evaluation (teacher forcing): the prompt proper ends at the query horizon, so a teacher-
+        # forced run plans exactly the hits the plain request plans
+        end = req.num_prompt_tokens if req.query_horizon is None else min(req.query_horizon, req.num_prompt_tokens)
         for span in req.segments:
             if span.start < num_prefix_hit or span.end - span.start < reuse.min_segment_tokens:
                 continue
-            if span.end >= req.num_prompt_tokens:
+            if span.end >= end:
                 continue          # the last prompt token must be computed: its logits start decoding
             queried += span.end - span.start
             # counted in `admitted`: a request that waits is planned again next step
