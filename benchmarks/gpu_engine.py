@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from sparsex import LLM, SamplingParams  # noqa: E402
+from sparsex.bench.workload_bench import FlopModel  # noqa: E402
 from sparsex.engine.forward_context import ForwardContext  # noqa: E402
 from sparsex.layers.attention_metadata import AttentionMetadata  # noqa: E402
 from sparsex.models import loader  # noqa: E402
@@ -472,7 +473,7 @@ class BlendTimer:
     selection, inside layer F-1 once it has stored every row's K/V; then the sparse part: layer
     F-1's attention and MLP on the kept rows, and layers F..L-1)."""
 
-    def __init__(self, runner, full_layers: int):
+    def __init__(self, runner):
         self.active = False
         self.events: dict[str, torch.cuda.Event] = {}
         b = runner.blender
@@ -521,14 +522,17 @@ class BlendTimer:
             h.remove()
 
 
-def _alloc_counts() -> dict[str, int]:
-    """The caching allocator's calls to cudaMalloc / cudaFree so far (and retries after a failed
-    malloc, which free the whole cache): a blended step that has to grow the pool pays for them."""
+def _alloc_counts(since: dict[str, int] | None = None) -> dict[str, int]:
+    """The caching allocator's calls to cudaMalloc / cudaFree (and retries after a failed malloc,
+    which free the whole cache) so far, or since the counts `since`: a blended step that has to
+    grow the pool pays for them."""
     if not torch.cuda.is_available():
-        return {"malloc": 0, "free": 0, "retries": 0}
-    st = torch.cuda.memory_stats()
-    return {"malloc": st.get("num_device_alloc", 0), "free": st.get("num_device_free", 0),
-            "retries": st.get("num_alloc_retries", 0)}
+        now = {"malloc": 0, "free": 0, "retries": 0}
+    else:
+        st = torch.cuda.memory_stats()
+        now = {"malloc": st.get("num_device_alloc", 0), "free": st.get("num_device_free", 0),
+               "retries": st.get("num_alloc_retries", 0)}
+    return now if since is None else {key: v - since[key] for key, v in now.items()}
 
 
 def _ttft(llm: LLM, prompt: dict, tag: str) -> tuple[float, object]:
@@ -549,7 +553,7 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM) -> None:
     runner = llm_sx.llm_engine.runner
     reuse = llm_sx.config.reuse
     cfg = runner.model_config
-    timer = BlendTimer(runner, reuse.full_layers)
+    timer = BlendTimer(runner)
     sys_ids, rows, out = rand_ids(40), [], []
     warm = {"sys": 0}
     plen = SIZES["passage_len"]
@@ -582,7 +586,7 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM) -> None:
             host.append({"copy_host_ms": 1e3 * (b.copy_seconds - c0), "selection_host_ms": 1e3 * (b.selection_seconds - s0),
                          "reused": o.num_reused_tokens, "recomputed": o.num_recomputed_tokens,
                          "cached": o.num_cached_tokens,
-                         "device_mallocs": {key: v - m0[key] for key, v in _alloc_counts().items()}})
+                         "device_mallocs": _alloc_counts(m0)})
         # the same requests again, each engine's three back to back (after one untimed request):
         # what a GPU serving one engine sees, without another engine's run in between
         grouped = {}
@@ -591,20 +595,15 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM) -> None:
             m0 = _alloc_counts()
             grouped[name] = 1e3 * statistics.median(_ttft(llm, prompt(r, rand_ids(48)), f"g{name}{k}-{r}")[0]
                                                     for r in (5, 6, 7))
-            grouped[name + "_device_mallocs"] = {key: v - m0[key] for key, v in _alloc_counts().items()}
+            grouped[name + "_device_mallocs"] = _alloc_counts(m0)
         med = {p: 1e3 * statistics.median(v) for p, v in t.items()}
         n_tok = len(sys_ids) + plen * k + 48
         split = {key: statistics.median([s[key] for s in splits if s[key] == s[key]] or [float("nan")])
                  for key in splits[0]}
         h = host[-1]
-        # token-layers as workload_bench.FlopModel counts them: layers 0..F-2 every row, layer F-1
-        # every row's q/k/v and the kept rows' rest, layers F.. the kept rows
-        L, S = cfg.num_hidden_layers, max(reuse.full_layers - 1, 0)
-        h_, q_, kv_ = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        qkv_share = (q_ + 2 * kv_) / (2 * q_ + 2 * kv_ + 3 * cfg.intermediate_size)
         rows_ = n_tok - h["cached"]
-        kept = rows_ - h["reused"] + h["recomputed"]
-        floor = (S * rows_ + (L - S) * kept + (rows_ - kept) * qkv_share) / (L * n_tok)
+        floor = FlopModel.from_config(cfg).token_layers(rows_, rows_ - h["reused"] + h["recomputed"],
+                                                        reuse.full_layers) / (cfg.num_hidden_layers * n_tok)
         rows.append([f"{k} x {plen} = {n_tok:,}", f"{med['none']:.1f}", f"{med['prefix']:.1f}", f"{med['sparsex']:.1f}",
                      f"{med['sparsex'] / med['none']:.3f}",
                      f"{grouped['none']:.1f} / {grouped['sparsex']:.1f} / {grouped['sparsex'] / grouped['none']:.3f}",

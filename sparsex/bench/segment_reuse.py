@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from sparsex.bench.fidelity import FidelityResult, pieces_prompt, reference, run_to_completion, teacher_forced
+from sparsex.bench.workload_bench import FlopModel
 from sparsex.bench.workloads import rag_workload
 from sparsex.config import EngineConfig, ReuseConfig
 from sparsex.engine.llm_engine import LLMEngine
@@ -62,16 +63,11 @@ def build_queries(engine: LLMEngine, num_queries: int, k: int, seed: int):
     return pairs
 
 
-def compute_share(res: FidelityResult, num_layers: int, full_layers: int) -> float:
-    """Token-layers computed / full prefill. Layers 0..S-1 (S = max(F-1, 0)) run every row; the
-    selection layer S and the ones after it run the kept rows (the dropped rows' q/k/v projection
-    in layer S is left out here: workload_bench's FlopModel counts it)."""
+def compute_share(res: FidelityResult, flops: FlopModel, full_layers: int) -> float:
+    """Token-layers computed / full prefill (`FlopModel.token_layers`)."""
     n = res.num_prompt_tokens - res.num_cached_tokens
-    reused, rec = res.num_reused_tokens, res.num_recomputed_tokens
-    new = n - reused
-    s = max(min(full_layers, num_layers) - 1, 0)
-    computed = (n * s + (new + rec) * (num_layers - s))
-    return computed / (res.num_prompt_tokens * num_layers)
+    kept = n - res.num_reused_tokens + res.num_recomputed_tokens
+    return flops.token_layers(n, kept, full_layers) / (res.num_prompt_tokens * flops.num_layers)
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
@@ -104,7 +100,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     refs = [reference(ref, ev, args.tokens) for ev, _ in pairs]
     for _, pr in pairs:
         run_to_completion(pol, pr, SamplingParams(temperature=0, max_tokens=1))
-    L = ref.model_config.num_hidden_layers
+    flops = FlopModel.from_config(ref.model_config)
     rows, per_query = [], {}
     for sel, F, ratio in variants:
         reuse = {"selector": sel, "full_layers": F, "recompute_ratio": ratio}
@@ -114,7 +110,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         kls = sorted(r.kl for r in results)
         row = Row(sel, F, ratio, statistics.mean(r.top1 for r in results), statistics.mean(kls),
                   kls[int(0.9 * (len(kls) - 1))], statistics.mean(r.match_len for r in results),
-                  statistics.mean(compute_share(r, L, F) for r in results), 1000 * sel_s / len(results))
+                  statistics.mean(compute_share(r, flops, F) for r in results), 1000 * sel_s / len(results))
         rows.append(row)
         per_query[f"{sel}:{F}:{ratio}"] = [asdict(r) for r in results]
         print(f"{sel:>14} F={F} r={ratio:<5} top1={100*row.top1:5.1f}%  KL={row.kl:.4f}  KLp90={row.kl_p90:.4f}  "
@@ -131,7 +127,7 @@ def ttft_table(args) -> list:
     one = SamplingParams(temperature=0, max_tokens=1)
     engines = {c: _engine(args.model, args.dtype, c, device=args.device) for c in ("none", "prefix", "sparsex")}
     pairs = build_queries(engines["none"], args.queries, args.passages, args.seed)
-    L = engines["none"].model_config.num_hidden_layers
+    flops = FlopModel.from_config(engines["none"].model_config)
     for eng in engines.values():                      # warm-up + priming (registers passages for sparsex)
         for _, pr in pairs:
             run_to_completion(eng, pr, one)
@@ -158,7 +154,7 @@ def ttft_table(args) -> list:
         reused = statistics.mean(o.num_reused_tokens for o in outs)
         rec = statistics.mean(o.num_recomputed_tokens for o in outs)
         if c == "sparsex":
-            share = ((n - cached) * F + (n - cached - reused + rec) * (L - F)) / (n * L)
+            share = flops.token_layers(n - cached, n - cached - reused + rec, F) / (n * flops.num_layers)
         else:
             share = (n - cached) / n
         rows.append((c, t, t / base, cached, reused, rec, share))

@@ -260,6 +260,16 @@ class FlopModel:
     def qkv_per_row_layer(self) -> int:
         return 2 * self.hidden * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
 
+    def token_layers(self, rows: int, kept_rows: int, full_layers: int) -> float:
+        """(row, layer) passes of a prefill of `rows` rows of which `kept_rows` go past the
+        selection layer S = max(F-1, 0): layers 0..S-1 run every row, layer S every row's q/k/v (a
+        dropped row's counted as its share of a layer's linear FLOPs) and the kept rows' rest,
+        layers S+1.. the kept rows."""
+        L = self.num_layers
+        S = max(min(full_layers, L) - 1, 0)
+        qkv_share = self.qkv_per_row_layer / self.linear_per_row_layer
+        return S * rows + (L - S) * kept_rows + (rows - kept_rows) * qkv_share
+
     def prefill(self, num_prompt: int, num_cached: int, reused_spans: list[tuple[int, int]],
                 num_recomputed: int, full_layers: int) -> tuple[float, float]:
         """(token-layers, FLOPs) of one prefill. Token-layers count a row's pass through a layer as
@@ -281,8 +291,7 @@ class FlopModel:
         mean_keys = keys_reused / reused if reused else 0.0
         sparse_rows = rows - reused + num_recomputed
         sparse_keys = keys_all - keys_reused + num_recomputed * mean_keys
-        qkv_share = self.qkv_per_row_layer / self.linear_per_row_layer
-        token_layers = S * rows + (L - S) * sparse_rows + (rows - sparse_rows) * qkv_share
+        token_layers = self.token_layers(rows, sparse_rows, full_layers)
         attn = 4 * self.num_heads * self.head_dim * (S * keys_all + (L - S) * sparse_keys)
         return token_layers, float(token_layers * self.linear_per_row_layer + attn + 2 * self.hidden * self.vocab)
 

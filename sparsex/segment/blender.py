@@ -114,7 +114,7 @@ class Blender:
             queried += span.end - span.start
             # counted in `admitted`: a request that waits is planned again next step
             entry = self.index.lookup(toks[span.start:span.end], req.cache_salt, count=False)
-            if entry is not None and _early(entry.start_pos, reuse) and not _early(span.start, reuse):
+            if entry is not None and _too_early_for(entry, span.start, reuse):
                 entry = None      # recomputed here; `_register` then replaces the early encoding
             if entry is not None:
                 self.index.lock(entry)
@@ -143,13 +143,15 @@ class Blender:
     # ---- forward ----------------------------------------------------------------------------
     def prepare(self, sched, ctx: ForwardContext, runner) -> None:
         """Before the forward: install the probe, the row selector and the copy hook. The copy plan
-        itself is built and launched from inside the forward, just before layer
-        `max(0, min F - 1)` (`_copy_reused`): the layers below it compute every row fresh and would
-        overwrite the copies anyway, and on the GPU the host builds the plan while those layers run."""
+        itself is built and launched from inside the forward, just before the first selection layer
+        (`_copy_reused`; on the GPU the host builds it while the layers below run). Only layers whose
+        copies are read are copied: the selection layer stores every row's fresh K/V over them, so
+        it needs its copies only where the probe compares the two."""
         self._seqs = []
         reuses = [s.reuse_plan.reuse for s in sched.scheduled if s.reuse_plan is not None]
-        first = max(0, min(r.full_layers for r in reuses) - 1)
-        ctx.pre_layer_hooks[first] = lambda: self._copy_reused(sched, ctx, first, runner.uploader)
+        hook_layer = min(selection_layer(r) for r in reuses)
+        copy_from = min(selection_layer(r) + (r.selector not in selectors.PROBE_SELECTORS) for r in reuses)
+        ctx.pre_layer_hooks[hook_layer] = lambda: self._copy_reused(sched, ctx, copy_from, runner.uploader)
         probe_layers = {r.full_layers - 1 for r in reuses if r.selector in selectors.PROBE_SELECTORS}
         ctx.probe_layers = frozenset(probe_layers)
         ctx.probe = self._probe if probe_layers else None
@@ -191,7 +193,7 @@ class Blender:
                             query_rows))
         # one upload for the whole step: the [7, R_total] plan (src slot, dst slot, delta, row,
         # position, offset, segment start), then the query rows. Pinned and asynchronous: the GPU may
-        # still run the layers below `first_layer`, and a pageable upload would wait for them.
+        # still run the layers below the hook, and a pageable upload would wait for them.
         plan_h = np.concatenate([x[3] for x in per_seq], axis=1)
         up = uploader.upload([np.concatenate([plan_h.ravel()] + [x[4] for x in per_seq])])[0]
         plan_t, query_t = up[:plan_h.size].view(7, -1), up[plan_h.size:]
@@ -378,16 +380,16 @@ class Blender:
             seg = toks[span.start:span.end]
             entry = self.index.lookup(seg, req.cache_salt, count=False)
             if entry is not None:
-                if not (_early(entry.start_pos, req.reuse) and not _early(span.start, req.reuse)
-                        and entry.locks == 0):
+                if entry.locks or not _too_early_for(entry, span.start, req.reuse):
                     continue
                 self.index.remove(entry)      # an early encoding, recomputed here with more context
             self.index.insert(seg, req.cache_salt, req.blocks, span.start)
 
 
-def _early(start_pos: int, reuse: ReuseConfig) -> bool:
-    """A segment starting at `start_pos` has too little context before it (`min_context_tokens`)."""
-    return start_pos < reuse.min_context_tokens
+def _too_early_for(entry: SegmentEntry, start: int, reuse: ReuseConfig) -> bool:
+    """`entry` was computed with too little before it (`min_context_tokens`) to serve a span that
+    starts at `start`, which has more."""
+    return entry.start_pos < reuse.min_context_tokens <= start
 
 
 def selection_layer(reuse: ReuseConfig) -> int:

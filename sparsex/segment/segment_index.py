@@ -102,11 +102,11 @@ class SegmentIndex:
         return entry
 
     def remove(self, entry: SegmentEntry) -> None:
-        """Drop an entry (unpinning its blocks), e.g. to replace it by a better encoding."""
+        """Drop an entry (unpinning its blocks) to replace it by a better encoding: not an eviction,
+        so neither counted as one nor moving the GDSF clock."""
         if entry.locks:
             raise RuntimeError("remove of a locked segment entry")
         self._remove(entry)
-        self.num_evicted -= 1                  # a replacement, not an eviction
 
     def lock(self, entry: SegmentEntry) -> None:
         entry.locks += 1
@@ -127,10 +127,14 @@ class SegmentIndex:
         del self.entries[entry.key]
         before = self.pool.num_free_blocks
         self.pool.free_blocks(list(reversed(entry.blocks)))
+        return self.pool.num_free_blocks - before
+
+    def _evict(self, entry: SegmentEntry) -> int:
+        """`_remove` as an eviction: counted, and (GDSF) the clock rises to the victim's priority."""
         self.num_evicted += 1
         if self.policy == "frequency":
             self._gdsf_floor = max(self._gdsf_floor, entry.priority)
-        return self.pool.num_free_blocks - before
+        return self._remove(entry)
 
     def evict_blocks(self, num_blocks: int) -> int:
         """Evict entries until `num_blocks` blocks were returned to the free queue (or none is left
@@ -139,12 +143,12 @@ class SegmentIndex:
         for entry in self._victim_order():
             if released >= num_blocks:
                 break
-            released += self._remove(entry)
+            released += self._evict(entry)
         return released
 
     def clear(self) -> None:
         for entry in [e for e in self.entries.values() if e.locks == 0]:
-            self._remove(entry)
+            self._evict(entry)
 
     # ---- accounting -------------------------------------------------------------------------
     def block_refs(self) -> dict[int, int]:
