@@ -14,7 +14,10 @@ Sections (each prints a table; all numbers of a table come from this one process
            ((weights + KV bytes) per step / measured copy bandwidth).
   blend    TTFT of RAG-like prompts (system + k passages x 512 tokens + question) whose passages were
            cached by an earlier prompt in another order: cache="sparsex" (full_layers=2,
-           recompute_ratio=0.15, default selector) vs "none" vs "prefix", with a CUDA-event breakdown.
+           recompute_ratio=0.15, default selector) vs "none" vs "prefix", with a CUDA-event breakdown;
+           replayed three ways: interleaved (the engines in turn), back to back (one engine's requests
+           in a row) and idle start (interleaved, the GPU idle IDLE_S before each request, so none
+           inherits the power/clock state the previous one left).
   blendprof  one blended request at 16 and 64 passages (8k and 32k tokens): host time per engine phase and the GPU
            timeline (busy, idle, largest gaps) from torch.profiler.
   syncs    every host<-device synchronisation of one blended request (torch's sync debug mode), with
@@ -535,10 +538,17 @@ def _alloc_counts(since: dict[str, int] | None = None) -> dict[str, int]:
     return now if since is None else {key: v - since[key] for key, v in now.items()}
 
 
-def _ttft(llm: LLM, prompt: dict, tag: str) -> tuple[float, object]:
+IDLE_S = 0.5                # idle-start replay: the GPU sits idle this long before each timed request
+WALL: list[tuple[str, float, float]] = []             # (tag, start, end) wall clock of every request
+
+
+def _ttft(llm: LLM, prompt: dict, tag: str, idle_s: float = 0.0) -> tuple[float, object]:
     eng = llm.llm_engine
     tp = eng.tokenize(prompt)                           # host tokenisation stays outside the clock
     torch.cuda.synchronize()
+    if idle_s:
+        time.sleep(idle_s)
+    w0 = time.time()
     t0 = time.perf_counter()
     eng.add_request(tag, tp, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
     done = None
@@ -546,6 +556,7 @@ def _ttft(llm: LLM, prompt: dict, tag: str) -> tuple[float, object]:
         for o in eng.step():
             if o.finished:
                 done = o
+    WALL.append((tag, w0, time.time()))
     return time.perf_counter() - t0, done
 
 
@@ -593,9 +604,30 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM) -> None:
         for name, llm in (("none", llm_none), ("prefix", llm_prefix), ("sparsex", llm_sx)):
             _ttft(llm, prompt(4, rand_ids(48)), f"g{name}{k}-warm")
             m0 = _alloc_counts()
-            grouped[name] = 1e3 * statistics.median(_ttft(llm, prompt(r, rand_ids(48)), f"g{name}{k}-{r}")[0]
-                                                    for r in (5, 6, 7))
+            runs = []
+            for r in (5, 6, 7):
+                if name == "sparsex":
+                    timer.start()
+                runs.append(_ttft(llm, prompt(r, rand_ids(48)), f"g{name}{k}-{r}"))
+                timer.active = False
+                if name == "sparsex":
+                    grouped.setdefault("sparsex_gpu_split_ms", []).append(timer.split_ms())
+            grouped[name] = 1e3 * statistics.median(t_ for t_, _ in runs)
             grouped[name + "_device_mallocs"] = _alloc_counts(m0)
+            grouped[name + "_reused_recomputed"] = [(o.num_reused_tokens, o.num_recomputed_tokens) for _, o in runs]
+        # and once more, interleaved, but every timed request starts from an idle GPU (IDLE_S asleep
+        # first): what a request costs without the power and clock state the previous one left
+        idle = {"none": [], "prefix": [], "sparsex": []}
+        for r in (8, 9, 10):
+            q = rand_ids(48)
+            for name, llm in (("none", llm_none), ("prefix", llm_prefix), ("sparsex", llm_sx)):
+                if name == "sparsex":
+                    timer.start()
+                idle[name].append(1e3 * _ttft(llm, prompt(r, q), f"i{name}{k}-{r}", idle_s=IDLE_S)[0])
+                timer.active = False
+                if name == "sparsex":
+                    idle.setdefault("sparsex_gpu_split_ms", []).append(timer.split_ms())
+        idle = {key: statistics.median(v) if key != "sparsex_gpu_split_ms" else v for key, v in idle.items()}
         med = {p: 1e3 * statistics.median(v) for p, v in t.items()}
         n_tok = len(sys_ids) + plen * k + 48
         split = {key: statistics.median([s[key] for s in splits if s[key] == s[key]] or [float("nan")])
@@ -607,20 +639,23 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM) -> None:
         rows.append([f"{k} x {plen} = {n_tok:,}", f"{med['none']:.1f}", f"{med['prefix']:.1f}", f"{med['sparsex']:.1f}",
                      f"{med['sparsex'] / med['none']:.3f}",
                      f"{grouped['none']:.1f} / {grouped['sparsex']:.1f} / {grouped['sparsex'] / grouped['none']:.3f}",
+                     f"{idle['none']:.1f} / {idle['sparsex']:.1f} / {idle['sparsex'] / idle['none']:.3f}",
                      f"{floor:.3f}",
                      " / ".join(f"{split[key]:.1f}" for key in split),
                      f"{h['reused']:,} / {h['recomputed']:,}"])
         out.append({"passages": k, "tokens": n_tok, "ttft_ms": med, "gpu_split_ms": split, "host": host,
-                    "token_layer_share": floor, "grouped_ttft_ms": grouped})
+                    "token_layer_share": floor, "grouped_ttft_ms": grouped, "idle_start_ttft_ms": idle})
         log(f"blend {k}: {out[-1]}")
     timer.close()
     table("Blended prefill TTFT, passages cached in another order (random weights + random token ids, "
           "Llama-3-8B shape, bf16; full_layers=2, recompute_ratio=0.15, selector=" + reuse.selector + ")",
           ["prompt tokens", "none ms", "prefix ms", "sparsex ms", "sparsex / none",
-           "back to back: none / sparsex ms / ratio", "token-layer share",
+           "back to back: none / sparsex ms / ratio", f"idle start ({IDLE_S} s): none / sparsex ms / ratio",
+           "token-layer share",
            "sparsex GPU split ms: copy / full layers / scoring / selection / sparse layers", "reused / recomputed"],
           rows)
     RESULTS["blend"] = out
+    RESULTS["request_wall_clock"] = WALL
 
 
 def _gpu_timeline(prof) -> dict:
@@ -818,7 +853,19 @@ def main() -> None:
     ap.add_argument("--sections", default="ceil,prefill,decode,blend")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--dry-run", action="store_true", help="CPU smoke run of the script (tiny model)")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="move every object alive after the engines are built out of the cyclic GC's reach "
+                         "(gc.freeze), so a collection walks only what requests allocate")
     args = ap.parse_args()
+    if args.gc_freeze:
+        import gc
+        _freeze = LLM.__init__
+
+        def init_then_freeze(self, *a, **k):
+            _freeze(self, *a, **k)
+            gc.collect()
+            gc.freeze()
+        LLM.__init__ = init_then_freeze
     if args.dry_run:
         _dry_run_setup()
     OUT = args.out

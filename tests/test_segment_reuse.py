@@ -389,3 +389,37 @@ def test_teacher_forced_run_plans_the_same_hits_as_the_plain_request(llm_sx, pas
     assert plain.num_reused_tokens > 0
     assert tf.num_reused_tokens == plain.num_reused_tokens          # the question is not a hit
     assert tf.num_recomputed_tokens == plain.num_recomputed_tokens
+
+
+def test_kv_deviation_is_context_signal_only_after_one_full_layer(llm_sx, passages):
+    """Layer 0's K/V depend on token and position only, so a reused segment's re-rotated layer-0
+    keys equal freshly computed ones up to rounding: a deviation probe there ranks noise. The
+    `cacheblend` benchmark policy therefore probes layer 1 after one full layer (full_layers=2, as
+    LMCache's CacheBlend checks layer 1), where the new context has changed the keys."""
+    from sparsex.bench.policies import NAMED_POLICIES
+    from sparsex.segment.blender import selection_layer
+
+    assert selection_layer(NAMED_POLICIES["cacheblend"].knobs()) == 1
+    eng = llm_sx.llm_engine
+    b = eng.runner.blender
+    eng.reset_cache()
+    run_to_completion(eng, _prompt(eng, HEAD * 6, passages[:3], QUESTION), ONE)          # long head: reusable anywhere
+    p = _prompt(eng, "Another system prompt, so no prefix hit at all.\n" * 4, passages[:3][::-1], QUESTION)
+    scores, probe = {}, b._probe
+
+    def spy(layer_idx, q, k, v, k_cache, v_cache, ctx):
+        probe(layer_idx, q, k, v, k_cache, v_cache, ctx)
+        cur = b._current_rows(ctx, b._seqs[0].reused_rows)
+        scores[layer_idx] = (b._seqs[0].scores.clone(), k[cur].float().pow(2).sum(dim=(-1, -2)))
+    b._probe = spy
+    try:
+        for f in (1, 2):
+            out, _ = run_to_completion(eng, p, ONE, reuse={"selector": "kv_deviation", "full_layers": f,
+                                                           "approx_prefix": False})
+            assert out.num_reused_tokens > 300
+    finally:
+        del b._probe
+    (dev0, norm0), (dev1, norm1) = scores[0], scores[1]
+    rel0, rel1 = (dev0 / norm0).median().item(), (dev1 / norm1).median().item()
+    assert rel0 < 1e-8, rel0                     # fp32 rounding of the re-rotation
+    assert rel1 > 1e-5 and rel1 > 1e3 * max(rel0, 1e-12), (rel0, rel1)   # context moved layer 1's keys

@@ -8,7 +8,10 @@ overrides (`LLMEngine.add_request(..., reuse=...)`). Named policies:
   naive       reuse every hit segment's KV as is: selector none, full_layers 0, nothing recomputed
   epic16/32   EPIC-style: recompute only the first 16/32 tokens of each reused segment, in every
               layer (selector boundary, boundary_tokens k, recompute_ratio 0, full_layers 0)
-  cacheblend  CacheBlend's rule: K/V deviation at layer 0, recompute 15% (kv_deviation, F=1, 0.15)
+  cacheblend  CacheBlend's rule as LMCache runs it (check layer 1): layer 0 on every row, then the
+              K/V deviation of every row at layer 1, the top 15% recomputed from there on
+              (kv_deviation, F=2, 0.15). Not F=1: layer 0's K/V depend only on token and position,
+              so a deviation measured there is the re-rotation's rounding, not context
   sparsex     the engine's defaults (`ReuseConfig()`: sparse_q, F=2, 0.15)
 
 `sweep_policies()` gives the recompute_ratio x full_layers grid for the Pareto front. The default
@@ -72,8 +75,8 @@ def _named() -> dict[str, Policy]:
                  selector="boundary", full_layers=0, recompute_ratio=0.0, boundary_tokens=16),
         _sparsex("epic32", "recompute the first 32 tokens of each reused segment (all layers)",
                  selector="boundary", full_layers=0, recompute_ratio=0.0, boundary_tokens=32),
-        _sparsex("cacheblend", "K/V deviation at layer 0, recompute 15%",
-                 selector="kv_deviation", full_layers=1, recompute_ratio=0.15, boundary_tokens=0),
+        _sparsex("cacheblend", "K/V deviation at layer 1 (after one full layer), recompute 15%",
+                 selector="kv_deviation", full_layers=2, recompute_ratio=0.15, boundary_tokens=0),
         Policy("sparsex", "sparsex",
                description=f"engine defaults: {d.selector}, F={d.full_layers}, r={d.recompute_ratio}"),
     )}
