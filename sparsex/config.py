@@ -32,6 +32,10 @@ class ReuseConfig:
     # before it too; later in a prompt it is recomputed, and its index entry replaced by that
     # encoding. 0 = reuse every entry anywhere. docs/benchmarks.md, "early encodings".
     min_context_tokens: int = 128
+    # a request blends only when its segment hits add up to at least this many tokens; below it the
+    # hits are recomputed (exact prefix caching alone serves the request): blending a few short
+    # pieces saves little work and costs fidelity (docs/benchmarks.md, "min_blend_tokens"). 0 = always.
+    min_blend_tokens: int = 256
     # continue an exact prefix hit with blocks an earlier blended request left behind (its KV as it
     # is: approximate); off = blend every reused segment afresh (what fidelity evaluation needs)
     approx_prefix: bool = True
@@ -51,6 +55,8 @@ class ReuseConfig:
             raise ValueError(f"min_segment_tokens must be an integer >= 1, got {self.min_segment_tokens!r}")
         if not isinstance(self.min_context_tokens, int) or self.min_context_tokens < 0:
             raise ValueError(f"min_context_tokens must be an integer >= 0, got {self.min_context_tokens!r}")
+        if not isinstance(self.min_blend_tokens, int) or self.min_blend_tokens < 0:
+            raise ValueError(f"min_blend_tokens must be an integer >= 0, got {self.min_blend_tokens!r}")
         if not isinstance(self.approx_prefix, bool):
             raise ValueError(f"approx_prefix must be a bool, got {self.approx_prefix!r}")
         if self.selector in ("sparse_q", "kv_deviation") and self.full_layers < 1:

@@ -18,7 +18,9 @@ ONE = SamplingParams(temperature=0.0, max_tokens=1)
 
 @pytest.fixture(scope="module")
 def llm_sx(smollm2):
-    return LLM(cache="sparsex", dtype="float32", seed=0)
+    # these tests exercise blending on short passages (~150 tokens): blend every hit
+    # (test_few_hit_tokens_are_not_blended covers the default min_blend_tokens)
+    return LLM(cache="sparsex", dtype="float32", seed=0, min_blend_tokens=0)
 
 
 @pytest.fixture(autouse=True)
@@ -423,3 +425,37 @@ def test_kv_deviation_is_context_signal_only_after_one_full_layer(llm_sx, passag
     rel0, rel1 = (dev0 / norm0).median().item(), (dev1 / norm1).median().item()
     assert rel0 < 1e-8, rel0                     # fp32 rounding of the re-rotation
     assert rel1 > 1e-5 and rel1 > 1e3 * max(rel0, 1e-12), (rel0, rel1)   # context moved layer 1's keys
+
+
+def test_few_hit_tokens_are_not_blended(llm_sx, llm_none, passages):
+    """`min_blend_tokens`: a request whose segment hits total fewer tokens is not blended; its hits
+    are recomputed (unlocked again), so it is exact: the same logits as full prefill. At the
+    threshold the same prompt blends."""
+    eng, ref = llm_sx.llm_engine, llm_none.llm_engine
+    eng.reset_cache()
+    run_to_completion(eng, _prompt(eng, HEAD * 6, passages[:2], QUESTION), ONE)
+    # the head is not a segment (it would be indexed by the first run and count as a hit after it)
+    p = pieces_prompt(eng, ["Another system prompt, so no prefix hit at all.\n" * 4, *passages[:2][::-1], QUESTION],
+                      [False, True, True, False])
+    hit = sum(len(eng.tokenizer.encode(x, add_special_tokens=False)) for x in passages[:2])
+    assert 100 < hit < 1000
+    want = _logits_at_end(ref, p, k=8)
+
+    def run(min_blend_tokens):
+        # each run starts without exact-prefix blocks (an earlier exact run of p would be a full hit);
+        # segment entries stay
+        eng.kv.pool.reset_prefix_cache(include_in_use=True)
+        reuse = {"approx_prefix": False, "min_blend_tokens": min_blend_tokens}
+        out, _ = run_to_completion(eng, p, ONE, reuse=reuse)
+        eng.kv.pool.reset_prefix_cache(include_in_use=True)
+        return out, _logits_at_end(eng, p, reuse=reuse, k=8)
+
+    out, got = run(hit + 1)
+    assert out.num_cached_tokens == 0 and out.num_reused_tokens == 0 and out.num_recomputed_tokens == 0
+    assert all(e.locks == 0 for e in eng.segment_index.entries.values())
+    assert (got - want).norm() / want.norm() < 1e-4                      # exact
+    out, blended = run(hit)
+    assert out.num_reused_tokens == hit                                  # at the threshold it blends
+    assert (blended - want).norm() / want.norm() > 1e-4                  # and is approximate again
+    with pytest.raises(ValueError, match="min_blend_tokens"):
+        run_to_completion(eng, p, ONE, reuse={"min_blend_tokens": -1})

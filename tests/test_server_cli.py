@@ -70,5 +70,9 @@ def test_engine_flags_reach_the_reuse_config():
     assert cfg.reuse.approx_prefix is False and cfg.reuse.recompute_ratio == 0.3
     assert engine_config(p.parse_args(["serve"])).reuse.min_context_tokens == 128
     assert engine_config(p.parse_args(["serve", "--min-context-tokens", "0"])).reuse.min_context_tokens == 0
+    assert engine_config(p.parse_args(["serve"])).reuse.min_blend_tokens == 256
+    assert engine_config(p.parse_args(["serve", "--min-blend-tokens", "0"])).reuse.min_blend_tokens == 0
+    with pytest.raises(ValueError, match="min_blend_tokens"):
+        engine_config(p.parse_args(["serve", "--min-blend-tokens", "-3"])).reuse.verify()
     with pytest.raises(ValueError, match="min_context_tokens"):
         engine_config(p.parse_args(["serve", "--min-context-tokens", "-1"])).reuse.verify()

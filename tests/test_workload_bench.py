@@ -165,6 +165,12 @@ def test_policies() -> None:
     assert [p.name for p in parse_policies("none, prefix,sparsex")] == ["none", "prefix", "sparsex"]
     assert NAMED_POLICIES["naive"].overrides["recompute_ratio"] == 0.0
     assert NAMED_POLICIES["sparsex"].overrides is None                  # engine defaults
+    assert NAMED_POLICIES["sparsex"].knobs().min_blend_tokens == 256
+    assert NAMED_POLICIES["sparsex-every-hit"].overrides == {"min_blend_tokens": 0}
+    # the baselines and rule specs blend every hit, as the papers' rules do
+    for name in ("naive", "epic16", "epic32", "cacheblend"):
+        assert NAMED_POLICIES[name].knobs().min_blend_tokens == 0, name
+    assert parse_policies("boundary:0:0:64")[0].knobs().min_blend_tokens == 0
     assert NAMED_POLICIES["prefix"].knobs() is None
     custom = parse_policies("kv_deviation:2:0.3")[0]
     assert custom.knobs().full_layers == 2 and custom.knobs().recompute_ratio == 0.3

@@ -12,7 +12,12 @@ overrides (`LLMEngine.add_request(..., reuse=...)`). Named policies:
               K/V deviation of every row at layer 1, the top 15% recomputed from there on
               (kv_deviation, F=2, 0.15). Not F=1: layer 0's K/V depend only on token and position,
               so a deviation measured there is the re-rotation's rounding, not context
-  sparsex     the engine's defaults (`ReuseConfig()`: sparse_q, F=2, 0.15)
+  sparsex     the engine's defaults (`ReuseConfig()`: sparse_q, F=2, 0.15; a request whose segment
+              hits total fewer than `min_blend_tokens` = 256 tokens is not blended but served exact)
+  sparsex-every-hit  the same, blending every hit however few tokens (min_blend_tokens=0)
+
+The baselines (naive, epic, cacheblend), custom specs and the sweep grid name selection rules and
+blend every hit, as the papers' rules do (min_blend_tokens=0); every other knob is the engine's.
 
 `sweep_policies()` gives the recompute_ratio x full_layers grid for the Pareto front. The default
 selector scores tokens with a probe on layer F-1, so F=0 points use the boundary selector (the only
@@ -70,15 +75,19 @@ def _named() -> dict[str, Policy]:
         Policy("none", "none", description="full prefill, no cache"),
         Policy("prefix", "prefix", description="exact prefix caching"),
         _sparsex("naive", "reuse hit segments as is, recompute nothing",
-                 selector="none", full_layers=0, recompute_ratio=0.0, boundary_tokens=0),
+                 selector="none", full_layers=0, recompute_ratio=0.0, boundary_tokens=0, min_blend_tokens=0),
         _sparsex("epic16", "recompute the first 16 tokens of each reused segment (all layers)",
-                 selector="boundary", full_layers=0, recompute_ratio=0.0, boundary_tokens=16),
+                 selector="boundary", full_layers=0, recompute_ratio=0.0, boundary_tokens=16, min_blend_tokens=0),
         _sparsex("epic32", "recompute the first 32 tokens of each reused segment (all layers)",
-                 selector="boundary", full_layers=0, recompute_ratio=0.0, boundary_tokens=32),
+                 selector="boundary", full_layers=0, recompute_ratio=0.0, boundary_tokens=32, min_blend_tokens=0),
         _sparsex("cacheblend", "K/V deviation at layer 1 (after one full layer), recompute 15%",
-                 selector="kv_deviation", full_layers=2, recompute_ratio=0.15, boundary_tokens=0),
+                 selector="kv_deviation", full_layers=2, recompute_ratio=0.15, boundary_tokens=0,
+                 min_blend_tokens=0),
         Policy("sparsex", "sparsex",
-               description=f"engine defaults: {d.selector}, F={d.full_layers}, r={d.recompute_ratio}"),
+               description=f"engine defaults: {d.selector}, F={d.full_layers}, r={d.recompute_ratio}, "
+                           f"blends from {d.min_blend_tokens} hit tokens"),
+        _sparsex("sparsex-every-hit", "engine defaults, but blends whatever it hits (min_blend_tokens=0)",
+                 min_blend_tokens=0),
     )}
 
 
@@ -100,7 +109,8 @@ def _custom(spec: str) -> Policy:
     except ValueError:
         raise ValueError(f"policy {spec!r}: F and BOUNDARY must be integers, RATIO a number") from None
     return _sparsex(spec, f"custom: {selector}, F={full_layers}, r={ratio}, boundary={boundary}", "custom",
-                    selector=selector, full_layers=full_layers, recompute_ratio=ratio, boundary_tokens=boundary)
+                    selector=selector, full_layers=full_layers, recompute_ratio=ratio, boundary_tokens=boundary,
+                    min_blend_tokens=0)
 
 
 def parse_policies(text: str | list[str] | tuple[str, ...]) -> list[Policy]:
@@ -129,5 +139,6 @@ def sweep_policies(ratios: tuple[float, ...] = SWEEP_RATIOS,
         for r in ratios:
             out.append(_sparsex(f"sweep-{selector}-F{f}-r{r:g}",
                                 f"sweep: {selector}, F={f}, r={r:g}", "sweep",
-                                selector=selector, full_layers=f, recompute_ratio=r, boundary_tokens=0))
+                                selector=selector, full_layers=f, recompute_ratio=r, boundary_tokens=0,
+                                min_blend_tokens=0))
     return out

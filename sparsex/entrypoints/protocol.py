@@ -48,6 +48,8 @@ class ReuseOptions(_Request):
     boundary_tokens: int | None = Field(default=None, ge=0)
     min_context_tokens: int | None = Field(default=None, ge=0, description="a segment computed before this "
                                            "position is reused only before it (elsewhere recomputed)")
+    min_blend_tokens: int | None = Field(default=None, ge=0, description="blend only when the segment hits "
+                                         "total at least this many tokens (else recompute them)")
     approx_prefix: bool | None = Field(default=None, description="continue a prefix hit with blended KV "
                                        "that earlier requests left (false: blend every reused segment afresh)")
 

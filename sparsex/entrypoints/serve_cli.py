@@ -65,6 +65,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-context-tokens", type=int, default=r["min_context_tokens"],
                    help="segment reuse: a segment computed before this position is reused only before it "
                         "(elsewhere recomputed and re-indexed); 0 = reuse anywhere")
+    g.add_argument("--min-blend-tokens", type=int, default=r["min_blend_tokens"],
+                   help="segment reuse: a request blends only when its segment hits total at least this many "
+                        "tokens (below it they are recomputed and the request stays exact); 0 = always")
     g.add_argument("--no-approx-prefix", dest="approx_prefix", action="store_false", default=r["approx_prefix"],
                    help="segment reuse: blend every reused segment afresh instead of continuing an earlier "
                         "request's blended blocks (slower, closer to full prefill)")
@@ -105,7 +108,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     reuse = ReuseConfig(full_layers=args.full_layers, recompute_ratio=args.recompute_ratio, selector=args.selector,
                         boundary_tokens=args.boundary_tokens, min_segment_tokens=args.min_segment_tokens,
-                        min_context_tokens=args.min_context_tokens, approx_prefix=args.approx_prefix)
+                        min_context_tokens=args.min_context_tokens, min_blend_tokens=args.min_blend_tokens,
+                        approx_prefix=args.approx_prefix)
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache=args.cache, seed=args.seed,
                         block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
                         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,

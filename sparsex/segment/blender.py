@@ -119,6 +119,10 @@ class Blender:
             if entry is not None:
                 self.index.lock(entry)
                 hits.append((span, entry))
+        if sum(span.end - span.start for span, _ in hits) < reuse.min_blend_tokens:
+            for _, entry in hits:          # too little to blend: recomputed, the request stays exact
+                self.index.unlock(entry)
+            hits = []
         self._pending[req.request_id] = (queried, [e for _, e in hits])
         if not hits:
             return None
