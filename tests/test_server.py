@@ -218,8 +218,9 @@ def test_segments_are_reused_out_of_order(server):
     q = "\nQuestion: which of these is in Africa?\nAnswer:"
 
     def run(segments):
+        # two short passages: below the engine's min_blend_tokens, so this request asks to blend anyway
         r = server.post("/v1/completions", {"model": server.model, "segments": segments, "max_tokens": 2,
-                                            "temperature": 0}, headers=tenant)
+                                            "temperature": 0, "reuse": {"min_blend_tokens": 0}}, headers=tenant)
         assert r.status_code == 200, r.text
         return r.json()["usage"]
 
@@ -233,6 +234,11 @@ def test_segments_are_reused_out_of_order(server):
     resp = server.client.completions.create(model=server.model, prompt="", max_tokens=2, temperature=0,
                                             extra_body={"segments": [PASSAGE_B, PASSAGE_A, q]}, extra_headers=tenant)
     assert resp.usage.prompt_tokens == swapped["prompt_tokens"]
+    # at the engine default (min_blend_tokens=256) hits this short are not blended: the request is exact
+    r = server.post("/v1/completions", {"model": server.model, "segments": [q, PASSAGE_A, PASSAGE_B, q],
+                                        "max_tokens": 2, "temperature": 0}, headers=tenant)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["sparsex"]["segment_reused_tokens"] == 0
 
 
 def test_tenant_isolation(server):
