@@ -31,6 +31,7 @@ token ids are random too. Times: CUDA events or host clocks after a device sync,
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -111,6 +112,9 @@ def _patch_dummy_tokenizer() -> None:
     loader._dummy_tokenizer = tokenizer
 
 
+GC_FREEZE = False           # --gc-freeze: objects alive once an engine is built leave the cyclic GC's reach
+
+
 def make_llm(cache: str, kv_gib: float, share_from: LLM | None = None) -> LLM:
     llm = LLM(MODEL, device=DEV.type, dtype="bfloat16" if DEV.type == "cuda" else "float32", cache=cache, kv_cache_memory=int(kv_gib * GIB),
               max_model_len=MAX_LEN, max_num_batched_tokens=MAX_LEN, max_num_seqs=64)
@@ -121,6 +125,9 @@ def make_llm(cache: str, kv_gib: float, share_from: LLM | None = None) -> LLM:
         if runner.blender is not None:
             runner.blender.model = runner.model
         torch.cuda.empty_cache()
+    if GC_FREEZE:
+        gc.collect()
+        gc.freeze()
     return llm
 
 
@@ -560,6 +567,18 @@ def _ttft(llm: LLM, prompt: dict, tag: str, idle_s: float = 0.0) -> tuple[float,
     return time.perf_counter() - t0, done
 
 
+def _timed(timer: BlendTimer, llm: LLM, prompt: dict, tag: str, splits: list | None,
+           idle_s: float = 0.0) -> tuple[float, object]:
+    """`_ttft`, with the blended step's GPU stages appended to `splits` (None: not timed)."""
+    if splits is not None:
+        timer.start()
+    out = _ttft(llm, prompt, tag, idle_s)
+    timer.active = False
+    if splits is not None:
+        splits.append(timer.split_ms())
+    return out
+
+
 def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM) -> None:
     runner = llm_sx.llm_engine.runner
     reuse = llm_sx.config.reuse
@@ -589,45 +608,32 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM) -> None:
             b = runner.blender
             c0, s0 = b.copy_seconds, b.selection_seconds
             m0 = _alloc_counts()
-            timer.start()
-            ts, o = _ttft(llm_sx, prompt(r, q), f"s{k}-{r}")
-            timer.active = False
+            ts, o = _timed(timer, llm_sx, prompt(r, q), f"s{k}-{r}", splits)
             t["sparsex"].append(ts)
-            splits.append(timer.split_ms())
             host.append({"copy_host_ms": 1e3 * (b.copy_seconds - c0), "selection_host_ms": 1e3 * (b.selection_seconds - s0),
                          "reused": o.num_reused_tokens, "recomputed": o.num_recomputed_tokens,
                          "cached": o.num_cached_tokens,
                          "device_mallocs": _alloc_counts(m0)})
         # the same requests again, each engine's three back to back (after one untimed request):
         # what a GPU serving one engine sees, without another engine's run in between
-        grouped = {}
+        grouped = {"sparsex_gpu_split_ms": []}
         for name, llm in (("none", llm_none), ("prefix", llm_prefix), ("sparsex", llm_sx)):
             _ttft(llm, prompt(4, rand_ids(48)), f"g{name}{k}-warm")
             m0 = _alloc_counts()
-            runs = []
-            for r in (5, 6, 7):
-                if name == "sparsex":
-                    timer.start()
-                runs.append(_ttft(llm, prompt(r, rand_ids(48)), f"g{name}{k}-{r}"))
-                timer.active = False
-                if name == "sparsex":
-                    grouped.setdefault("sparsex_gpu_split_ms", []).append(timer.split_ms())
+            gs = grouped["sparsex_gpu_split_ms"] if name == "sparsex" else None
+            runs = [_timed(timer, llm, prompt(r, rand_ids(48)), f"g{name}{k}-{r}", gs) for r in (5, 6, 7)]
             grouped[name] = 1e3 * statistics.median(t_ for t_, _ in runs)
             grouped[name + "_device_mallocs"] = _alloc_counts(m0)
             grouped[name + "_reused_recomputed"] = [(o.num_reused_tokens, o.num_recomputed_tokens) for _, o in runs]
         # and once more, interleaved, but every timed request starts from an idle GPU (IDLE_S asleep
         # first): what a request costs without the power and clock state the previous one left
-        idle = {"none": [], "prefix": [], "sparsex": []}
+        idle_t, idle_splits = {"none": [], "prefix": [], "sparsex": []}, []
         for r in (8, 9, 10):
             q = rand_ids(48)
             for name, llm in (("none", llm_none), ("prefix", llm_prefix), ("sparsex", llm_sx)):
-                if name == "sparsex":
-                    timer.start()
-                idle[name].append(1e3 * _ttft(llm, prompt(r, q), f"i{name}{k}-{r}", idle_s=IDLE_S)[0])
-                timer.active = False
-                if name == "sparsex":
-                    idle.setdefault("sparsex_gpu_split_ms", []).append(timer.split_ms())
-        idle = {key: statistics.median(v) if key != "sparsex_gpu_split_ms" else v for key, v in idle.items()}
+                gs = idle_splits if name == "sparsex" else None
+                idle_t[name].append(1e3 * _timed(timer, llm, prompt(r, q), f"i{name}{k}-{r}", gs, IDLE_S)[0])
+        idle = {key: statistics.median(v) for key, v in idle_t.items()} | {"sparsex_gpu_split_ms": idle_splits}
         med = {p: 1e3 * statistics.median(v) for p, v in t.items()}
         n_tok = len(sys_ids) + plen * k + 48
         split = {key: statistics.median([s[key] for s in splits if s[key] == s[key]] or [float("nan")])
@@ -823,7 +829,7 @@ def _dry_run_setup() -> None:
     dummy.DUMMY_SHAPES["tiny-llama3"] = shape
     DEV, MODEL, MAX_LEN = torch.device("cpu"), "dummy:tiny-llama3", 1024
     SIZES.update(prefill=((64, 1, 2), (128, 1, 1)), profile=64, decode_batches=(1, 3), decode_ctx=40,
-                 passages=(4, 5), passage_len=32)
+                 passages=(4, 5), passage_len=64)   # >= min_blend_tokens hit tokens: the dry run blends
 
     class FakeEvent:
         def __init__(self, **kw):
@@ -848,7 +854,7 @@ def _dry_run_setup() -> None:
 
 
 def main() -> None:
-    global OUT
+    global OUT, GC_FREEZE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default="ceil,prefill,decode,blend")
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -857,15 +863,7 @@ def main() -> None:
                     help="move every object alive after the engines are built out of the cyclic GC's reach "
                          "(gc.freeze), so a collection walks only what requests allocate")
     args = ap.parse_args()
-    if args.gc_freeze:
-        import gc
-        _freeze = LLM.__init__
-
-        def init_then_freeze(self, *a, **k):
-            _freeze(self, *a, **k)
-            gc.collect()
-            gc.freeze()
-        LLM.__init__ = init_then_freeze
+    GC_FREEZE = args.gc_freeze
     if args.dry_run:
         _dry_run_setup()
     OUT = args.out

@@ -64,6 +64,8 @@ class Policy:
 
 
 def _sparsex(name: str, description: str, family: str = "named", **reuse) -> Policy:
+    """A selection-rule policy: it blends every hit (min_blend_tokens=0) unless it says otherwise."""
+    reuse.setdefault("min_blend_tokens", 0)
     cfg = dataclasses.replace(ReuseConfig(), **reuse)
     cfg.verify()                    # a bad knob fails here, as a ValueError, before any model loads
     return Policy(name, "sparsex", tuple(sorted(reuse.items())), description, family)
@@ -75,19 +77,17 @@ def _named() -> dict[str, Policy]:
         Policy("none", "none", description="full prefill, no cache"),
         Policy("prefix", "prefix", description="exact prefix caching"),
         _sparsex("naive", "reuse hit segments as is, recompute nothing",
-                 selector="none", full_layers=0, recompute_ratio=0.0, boundary_tokens=0, min_blend_tokens=0),
+                 selector="none", full_layers=0, recompute_ratio=0.0, boundary_tokens=0),
         _sparsex("epic16", "recompute the first 16 tokens of each reused segment (all layers)",
-                 selector="boundary", full_layers=0, recompute_ratio=0.0, boundary_tokens=16, min_blend_tokens=0),
+                 selector="boundary", full_layers=0, recompute_ratio=0.0, boundary_tokens=16),
         _sparsex("epic32", "recompute the first 32 tokens of each reused segment (all layers)",
-                 selector="boundary", full_layers=0, recompute_ratio=0.0, boundary_tokens=32, min_blend_tokens=0),
+                 selector="boundary", full_layers=0, recompute_ratio=0.0, boundary_tokens=32),
         _sparsex("cacheblend", "K/V deviation at layer 1 (after one full layer), recompute 15%",
-                 selector="kv_deviation", full_layers=2, recompute_ratio=0.15, boundary_tokens=0,
-                 min_blend_tokens=0),
+                 selector="kv_deviation", full_layers=2, recompute_ratio=0.15, boundary_tokens=0),
         Policy("sparsex", "sparsex",
                description=f"engine defaults: {d.selector}, F={d.full_layers}, r={d.recompute_ratio}, "
                            f"blends from {d.min_blend_tokens} hit tokens"),
-        _sparsex("sparsex-every-hit", "engine defaults, but blends whatever it hits (min_blend_tokens=0)",
-                 min_blend_tokens=0),
+        _sparsex("sparsex-every-hit", "engine defaults, but blends whatever it hits (min_blend_tokens=0)"),
     )}
 
 
@@ -109,8 +109,7 @@ def _custom(spec: str) -> Policy:
     except ValueError:
         raise ValueError(f"policy {spec!r}: F and BOUNDARY must be integers, RATIO a number") from None
     return _sparsex(spec, f"custom: {selector}, F={full_layers}, r={ratio}, boundary={boundary}", "custom",
-                    selector=selector, full_layers=full_layers, recompute_ratio=ratio, boundary_tokens=boundary,
-                    min_blend_tokens=0)
+                    selector=selector, full_layers=full_layers, recompute_ratio=ratio, boundary_tokens=boundary)
 
 
 def parse_policies(text: str | list[str] | tuple[str, ...]) -> list[Policy]:
@@ -139,6 +138,5 @@ def sweep_policies(ratios: tuple[float, ...] = SWEEP_RATIOS,
         for r in ratios:
             out.append(_sparsex(f"sweep-{selector}-F{f}-r{r:g}",
                                 f"sweep: {selector}, F={f}, r={r:g}", "sweep",
-                                selector=selector, full_layers=f, recompute_ratio=r, boundary_tokens=0,
-                                min_blend_tokens=0))
+                                selector=selector, full_layers=f, recompute_ratio=r, boundary_tokens=0))
     return out

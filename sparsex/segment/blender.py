@@ -117,16 +117,14 @@ class Blender:
             if entry is not None and _too_early_for(entry, span.start, reuse):
                 entry = None      # recomputed here; `_register` then replaces the early encoding
             if entry is not None:
-                self.index.lock(entry)
                 hits.append((span, entry))
-        if sum(span.end - span.start for span, _ in hits) < reuse.min_blend_tokens:
-            for _, entry in hits:          # too little to blend: recomputed, the request stays exact
-                self.index.unlock(entry)
-            hits = []
-        self._pending[req.request_id] = (queried, [e for _, e in hits])
-        if not hits:
-            return None
         plan = ReusePlan(reuse, hits)
+        if not hits or plan.num_reused_tokens < reuse.min_blend_tokens:
+            self._pending[req.request_id] = (queried, [])   # too little to blend: recomputed, exact
+            return None
+        for _, entry in hits:
+            self.index.lock(entry)
+        self._pending[req.request_id] = (queried, [e for _, e in hits])
         req.reuse_plan = plan
         return plan
 
