@@ -31,6 +31,7 @@ token ids are random too. Times: CUDA events or host clocks after a device sync,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -485,7 +486,7 @@ class BlendTimer:
 
     def __init__(self, runner):
         self.active = False
-        self.events: dict[str, torch.cuda.Event] = {}
+        self.events: dict[str, list[torch.cuda.Event]] = {}     # two-stage selection probes and selects twice
         b = runner.blender
         copy, probe, select = b._copy_reused, b._probe, b.select
 
@@ -512,20 +513,26 @@ class BlendTimer:
         if self.active:
             e = torch.cuda.Event(enable_timing=True)
             e.record()
-            self.events[name] = e
+            self.events.setdefault(name, []).append(e)
 
     def split_ms(self) -> dict[str, float]:
+        """The first selection splits the full layers from the sparse part; a second probe and
+        selection (two-stage selection) are counted as scoring / selection, not as sparse layers."""
         e = self.events
         if "prep0" not in e:                         # the request found nothing to reuse
             return {k: float("nan") for k in ("kv copy+rerotate", "full layers", "selection scoring (probe)",
                                               "row selection", "sparse layers")}
-        el = lambda a, b: e[a].elapsed_time(e[b])
-        probe = el("probe0", "probe1") if "probe0" in e else 0.0
+        el = lambda a, b, i=0: e[a][i].elapsed_time(e[b][i])
+        probes = [el("probe0", "probe1", i) for i in range(len(e.get("probe0", [])))]
+        selects = [el("sel0", "sel1", i) for i in range(len(e["sel0"]))]
         copy = el("prep0", "prep1")
-        copy_inside = list(e).index("prep0") > list(e).index("layer0")      # launched after layer 0 began
-        return {"kv copy+rerotate": copy, "full layers": el("layer0", "sel0") - probe - (copy if copy_inside else 0.0),
-                "selection scoring (probe)": probe, "row selection": el("sel0", "sel1"),
-                "sparse layers": el("sel1", "sparse_end")}
+        order = list(e)
+        copy_inside = order.index("prep0") > order.index("layer0")          # launched after layer 0 began
+        first_probe = probes[0] if probes else 0.0
+        return {"kv copy+rerotate": copy,
+                "full layers": el("layer0", "sel0") - first_probe - (copy if copy_inside else 0.0),
+                "selection scoring (probe)": sum(probes), "row selection": sum(selects),
+                "sparse layers": el("sel1", "sparse_end") - sum(probes[1:]) - sum(selects[1:])}
 
     def close(self) -> None:
         for h in self.handles:
@@ -549,7 +556,7 @@ IDLE_S = 0.5                # idle-start replay: the GPU sits idle this long bef
 WALL: list[tuple[str, float, float]] = []             # (tag, start, end) wall clock of every request
 
 
-def _ttft(llm: LLM, prompt: dict, tag: str, idle_s: float = 0.0) -> tuple[float, object]:
+def _ttft(llm: LLM, prompt: dict, tag: str, idle_s: float = 0.0, reuse: dict | None = None) -> tuple[float, object]:
     eng = llm.llm_engine
     tp = eng.tokenize(prompt)                           # host tokenisation stays outside the clock
     torch.cuda.synchronize()
@@ -557,7 +564,7 @@ def _ttft(llm: LLM, prompt: dict, tag: str, idle_s: float = 0.0) -> tuple[float,
         time.sleep(idle_s)
     w0 = time.time()
     t0 = time.perf_counter()
-    eng.add_request(tag, tp, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    eng.add_request(tag, tp, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), reuse=reuse)
     done = None
     while done is None:
         for o in eng.step():
@@ -568,20 +575,22 @@ def _ttft(llm: LLM, prompt: dict, tag: str, idle_s: float = 0.0) -> tuple[float,
 
 
 def _timed(timer: BlendTimer, llm: LLM, prompt: dict, tag: str, splits: list | None,
-           idle_s: float = 0.0) -> tuple[float, object]:
+           idle_s: float = 0.0, reuse: dict | None = None) -> tuple[float, object]:
     """`_ttft`, with the blended step's GPU stages appended to `splits` (None: not timed)."""
     if splits is not None:
         timer.start()
-    out = _ttft(llm, prompt, tag, idle_s)
+    out = _ttft(llm, prompt, tag, idle_s, reuse)
     timer.active = False
     if splits is not None:
         splits.append(timer.split_ms())
     return out
 
 
-def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM) -> None:
+def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM,
+                  variants: list[tuple[str, dict | None]] = (("default", None),)) -> None:
+    """`variants`: (label, per-request reuse overrides) of the sparsex engine, each replayed the three
+    ways against none and prefix runs of its own (so every ratio is within one variant's replay)."""
     runner = llm_sx.llm_engine.runner
-    reuse = llm_sx.config.reuse
     cfg = runner.model_config
     timer = BlendTimer(runner)
     sys_ids, rows, out = rand_ids(40), [], []
@@ -589,7 +598,12 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM) -> None:
     plen = SIZES["passage_len"]
     for k in SIZES["passages"]:
         passages = [rand_ids(plen) for _ in range(k)]
-        prompt = lambda r, q: {"segments": [sys_ids] + [passages[(i + r) % k] for i in range(k)] + [q]}
+        # every timed request: a new order of the passages, after a head of its own (with a shared head,
+        # a request whose first passages an earlier one had in the same order would continue that
+        # request's blended blocks on the approximate prefix chain and blend less)
+        order = lambda r: np.random.default_rng(1000 * k + r).permutation(k)
+        head = lambda r: np.random.default_rng(7 + r).integers(3, 48000, len(sys_ids)).tolist()
+        prompt = lambda r, q: {"segments": [head(r)] + [passages[i] for i in order(r)] + [q]}
         # caches the passages; a filler first, so that no passage is computed right after the short
         # head (the engine would not reuse such an early encoding later in a prompt: min_context_tokens)
         prime = {"segments": [sys_ids, rand_ids(plen)] + passages + [rand_ids(48)]}
@@ -597,68 +611,79 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM) -> None:
             llm.reset_cache()
             _ttft(llm, prime, f"prime{k}-{id(llm)}")
         if not warm["sys"]:
-            _ttft(llm_none, prompt(0, rand_ids(48)), "warm-none")
+            _ttft(llm_none, prompt(99, rand_ids(48)), "warm-none")
             warm["sys"] = 1
-        t = {"none": [], "prefix": [], "sparsex": []}
-        splits, host = [], []
-        for r in (1, 2, 3):
-            q = rand_ids(48)
-            t["none"].append(_ttft(llm_none, prompt(r, q), f"n{k}-{r}")[0])
-            t["prefix"].append(_ttft(llm_prefix, prompt(r, q), f"p{k}-{r}")[0])
-            b = runner.blender
-            c0, s0 = b.copy_seconds, b.selection_seconds
-            m0 = _alloc_counts()
-            ts, o = _timed(timer, llm_sx, prompt(r, q), f"s{k}-{r}", splits)
-            t["sparsex"].append(ts)
-            host.append({"copy_host_ms": 1e3 * (b.copy_seconds - c0), "selection_host_ms": 1e3 * (b.selection_seconds - s0),
-                         "reused": o.num_reused_tokens, "recomputed": o.num_recomputed_tokens,
-                         "cached": o.num_cached_tokens,
-                         "device_mallocs": _alloc_counts(m0)})
-        # the same requests again, each engine's three back to back (after one untimed request):
-        # what a GPU serving one engine sees, without another engine's run in between
-        grouped = {"sparsex_gpu_split_ms": []}
-        for name, llm in (("none", llm_none), ("prefix", llm_prefix), ("sparsex", llm_sx)):
-            _ttft(llm, prompt(4, rand_ids(48)), f"g{name}{k}-warm")
-            m0 = _alloc_counts()
-            gs = grouped["sparsex_gpu_split_ms"] if name == "sparsex" else None
-            runs = [_timed(timer, llm, prompt(r, rand_ids(48)), f"g{name}{k}-{r}", gs) for r in (5, 6, 7)]
-            grouped[name] = 1e3 * statistics.median(t_ for t_, _ in runs)
-            grouped[name + "_device_mallocs"] = _alloc_counts(m0)
-            grouped[name + "_reused_recomputed"] = [(o.num_reused_tokens, o.num_recomputed_tokens) for _, o in runs]
-        # and once more, interleaved, but every timed request starts from an idle GPU (IDLE_S asleep
-        # first): what a request costs without the power and clock state the previous one left
-        idle_t, idle_splits = {"none": [], "prefix": [], "sparsex": []}, []
-        for r in (8, 9, 10):
-            q = rand_ids(48)
+        for vi, (label, rv) in enumerate(variants):
+            reuse = dataclasses.replace(llm_sx.config.reuse, **(rv or {}))
+            v0 = 100 * vi           # this variant's orders
+            t = {"none": [], "prefix": [], "sparsex": []}
+            splits, host = [], []
+            for r in (1, 2, 3):
+                q = rand_ids(48)
+                t["none"].append(_ttft(llm_none, prompt(v0 + r, q), f"n{k}-{r}-{label}")[0])
+                t["prefix"].append(_ttft(llm_prefix, prompt(v0 + r, q), f"p{k}-{r}-{label}")[0])
+                b = runner.blender
+                c0, s0 = b.copy_seconds, b.selection_seconds
+                m0 = _alloc_counts()
+                ts, o = _timed(timer, llm_sx, prompt(v0 + r, q), f"s{k}-{r}-{label}", splits, reuse=rv)
+                t["sparsex"].append(ts)
+                host.append({"copy_host_ms": 1e3 * (b.copy_seconds - c0),
+                             "selection_host_ms": 1e3 * (b.selection_seconds - s0),
+                             "reused": o.num_reused_tokens, "recomputed": o.num_recomputed_tokens,
+                             "candidates": o.num_candidate_tokens, "cached": o.num_cached_tokens,
+                             "device_mallocs": _alloc_counts(m0)})
+            # the same requests again, each engine's three back to back (after one untimed request):
+            # what a GPU serving one engine sees, without another engine's run in between
+            grouped = {"sparsex_gpu_split_ms": []}
             for name, llm in (("none", llm_none), ("prefix", llm_prefix), ("sparsex", llm_sx)):
-                gs = idle_splits if name == "sparsex" else None
-                idle_t[name].append(1e3 * _timed(timer, llm, prompt(r, q), f"i{name}{k}-{r}", gs, IDLE_S)[0])
-        idle = {key: statistics.median(v) for key, v in idle_t.items()} | {"sparsex_gpu_split_ms": idle_splits}
-        med = {p: 1e3 * statistics.median(v) for p, v in t.items()}
-        n_tok = len(sys_ids) + plen * k + 48
-        split = {key: statistics.median([s[key] for s in splits if s[key] == s[key]] or [float("nan")])
-                 for key in splits[0]}
-        h = host[-1]
-        rows_ = n_tok - h["cached"]
-        floor = FlopModel.from_config(cfg).token_layers(rows_, rows_ - h["reused"] + h["recomputed"],
-                                                        reuse.full_layers) / (cfg.num_hidden_layers * n_tok)
-        rows.append([f"{k} x {plen} = {n_tok:,}", f"{med['none']:.1f}", f"{med['prefix']:.1f}", f"{med['sparsex']:.1f}",
-                     f"{med['sparsex'] / med['none']:.3f}",
-                     f"{grouped['none']:.1f} / {grouped['sparsex']:.1f} / {grouped['sparsex'] / grouped['none']:.3f}",
-                     f"{idle['none']:.1f} / {idle['sparsex']:.1f} / {idle['sparsex'] / idle['none']:.3f}",
-                     f"{floor:.3f}",
-                     " / ".join(f"{split[key]:.1f}" for key in split),
-                     f"{h['reused']:,} / {h['recomputed']:,}"])
-        out.append({"passages": k, "tokens": n_tok, "ttft_ms": med, "gpu_split_ms": split, "host": host,
-                    "token_layer_share": floor, "grouped_ttft_ms": grouped, "idle_start_ttft_ms": idle})
-        log(f"blend {k}: {out[-1]}")
+                kw = {"reuse": rv} if name == "sparsex" else {}
+                _ttft(llm, prompt(v0 + 4, rand_ids(48)), f"g{name}{k}-warm-{label}", **kw)
+                m0 = _alloc_counts()
+                gs = grouped["sparsex_gpu_split_ms"] if name == "sparsex" else None
+                runs = [_timed(timer, llm, prompt(v0 + r, rand_ids(48)), f"g{name}{k}-{r}-{label}", gs, **kw)
+                        for r in (5, 6, 7)]
+                grouped[name] = 1e3 * statistics.median(t_ for t_, _ in runs)
+                grouped[name + "_device_mallocs"] = _alloc_counts(m0)
+                grouped[name + "_reused_recomputed"] = [(o.num_reused_tokens, o.num_recomputed_tokens) for _, o in runs]
+            # and once more, interleaved, but every timed request starts from an idle GPU (IDLE_S asleep
+            # first): what a request costs without the power and clock state the previous one left
+            idle_t, idle_splits = {"none": [], "prefix": [], "sparsex": []}, []
+            for r in (8, 9, 10):
+                q = rand_ids(48)
+                for name, llm in (("none", llm_none), ("prefix", llm_prefix), ("sparsex", llm_sx)):
+                    gs = idle_splits if name == "sparsex" else None
+                    kw = {"reuse": rv} if name == "sparsex" else {}
+                    idle_t[name].append(1e3 * _timed(timer, llm, prompt(v0 + r, q), f"i{name}{k}-{r}-{label}", gs,
+                                                     IDLE_S, **kw)[0])
+            idle = {key: statistics.median(v) for key, v in idle_t.items()} | {"sparsex_gpu_split_ms": idle_splits}
+            med = {p: 1e3 * statistics.median(v) for p, v in t.items()}
+            n_tok = len(sys_ids) + plen * k + 48
+            split = {key: statistics.median([s[key] for s in splits if s[key] == s[key]] or [float("nan")])
+                     for key in splits[0]}
+            h = host[-1]
+            rows_ = n_tok - h["cached"]
+            floor = FlopModel.from_config(cfg).token_layers(
+                rows_, rows_ - h["reused"] + h["recomputed"], reuse.full_layers,
+                rows_ - h["reused"] + h["candidates"], reuse.rescore_layers) / (cfg.num_hidden_layers * n_tok)
+            rows.append([f"{k} x {plen} = {n_tok:,}", label, f"{med['none']:.1f}", f"{med['prefix']:.1f}",
+                         f"{med['sparsex']:.1f}", f"{med['sparsex'] / med['none']:.3f}",
+                         f"{grouped['none']:.1f} / {grouped['sparsex']:.1f} / {grouped['sparsex'] / grouped['none']:.3f}",
+                         f"{idle['none']:.1f} / {idle['sparsex']:.1f} / {idle['sparsex'] / idle['none']:.3f}",
+                         f"{floor:.3f}",
+                         " / ".join(f"{split[key]:.1f}" for key in split),
+                         f"{h['reused']:,} / {h['candidates']:,} / {h['recomputed']:,}"])
+            out.append({"passages": k, "tokens": n_tok, "variant": label, "reuse": dataclasses.asdict(reuse),
+                        "ttft_ms": med, "gpu_split_ms": split, "host": host,
+                        "token_layer_share": floor, "grouped_ttft_ms": grouped, "idle_start_ttft_ms": idle})
+            log(f"blend {k} {label}: {out[-1]}")
     timer.close()
     table("Blended prefill TTFT, passages cached in another order (random weights + random token ids, "
-          "Llama-3-8B shape, bf16; full_layers=2, recompute_ratio=0.15, selector=" + reuse.selector + ")",
-          ["prompt tokens", "none ms", "prefix ms", "sparsex ms", "sparsex / none",
+          "Llama-3-8B shape, bf16; cache=sparsex, knobs per row: default = the engine's ReuseConfig())",
+          ["prompt tokens", "knobs", "none ms", "prefix ms", "sparsex ms", "sparsex / none",
            "back to back: none / sparsex ms / ratio", f"idle start ({IDLE_S} s): none / sparsex ms / ratio",
            "token-layer share",
-           "sparsex GPU split ms: copy / full layers / scoring / selection / sparse layers", "reused / recomputed"],
+           "sparsex GPU split ms: copy / full layers / scoring / selection / sparse layers",
+           "reused / candidates / recomputed"],
           rows)
     RESULTS["blend"] = out
     RESULTS["request_wall_clock"] = WALL
@@ -853,6 +878,18 @@ def _dry_run_setup() -> None:
     model_runner.prepack_supported = lambda device, dtype: False
 
 
+def _parse_variants(text: str) -> list[tuple[str, dict]]:
+    """'a=1,b=0.5;c=2' -> [("a=1,b=0.5", {"a": 1, "b": 0.5}), ("c=2", {"c": 2})] (numbers only)."""
+    out = []
+    for spec in filter(None, (x.strip() for x in text.split(";"))):
+        knobs = {}
+        for item in spec.split(","):
+            key, _, val = item.partition("=")
+            knobs[key.strip()] = float(val) if "." in val else int(val)
+        out.append((spec, knobs))
+    return out
+
+
 def main() -> None:
     global OUT, GC_FREEZE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -862,6 +899,9 @@ def main() -> None:
     ap.add_argument("--gc-freeze", action="store_true",
                     help="move every object alive after the engines are built out of the cyclic GC's reach "
                          "(gc.freeze), so a collection walks only what requests allocate")
+    ap.add_argument("--variants", default="",
+                    help="blend section: more sparsex knob sets, each replayed like the default, e.g. "
+                         "'rescore_layers=2,candidate_ratio=0.5;recompute_ratio=0.2'")
     args = ap.parse_args()
     GC_FREEZE = args.gc_freeze
     if args.dry_run:
@@ -888,9 +928,9 @@ def main() -> None:
             del hf
             torch.cuda.empty_cache()
             if "blend" in sections:
-                llm_prefix = make_llm("prefix", 6 if DEV.type == "cuda" else 0.05, share_from=llm_none)
-                llm_sx = make_llm("sparsex", 10 if DEV.type == "cuda" else 0.05, share_from=llm_none)
-                section_blend(llm_none, llm_prefix, llm_sx)
+                llm_prefix = make_llm("prefix", 6 if DEV.type == "cuda" else 0.2, share_from=llm_none)
+                llm_sx = make_llm("sparsex", 10 if DEV.type == "cuda" else 0.2, share_from=llm_none)
+                section_blend(llm_none, llm_prefix, llm_sx, [("default", None)] + _parse_variants(args.variants))
             if "blendprof" in sections or "syncs" in sections:
                 llm_sx = llm_sx if "blend" in sections else make_llm("sparsex", 10 if DEV.type == "cuda" else 0.05,
                                                                       share_from=llm_none)

@@ -39,6 +39,12 @@ class ReuseConfig:
     # continue an exact prefix hit with blocks an earlier blended request left behind (its KV as it
     # is: approximate); off = blend every reused segment afresh (what fidelity evaluation needs)
     approx_prefix: bool = True
+    # two-stage selection: the first selection (layer F-1) keeps `candidate_ratio` of the reused
+    # tokens as candidates; they run `rescore_layers` more layers, where a second probe scores them
+    # again (from fresher, deeper K/V) and keeps `recompute_ratio` for the remaining layers.
+    # 0 = one stage. docs/benchmarks.md, "two-stage selection".
+    rescore_layers: int = 0
+    candidate_ratio: float = 0.3
 
     def verify(self, num_layers: int | None = None) -> None:
         if self.selector not in SELECTORS:
@@ -61,6 +67,20 @@ class ReuseConfig:
             raise ValueError(f"approx_prefix must be a bool, got {self.approx_prefix!r}")
         if self.selector in ("sparse_q", "kv_deviation") and self.full_layers < 1:
             raise ValueError(f"selector {self.selector!r} scores tokens with a full layer: full_layers must be >= 1")
+        if not isinstance(self.rescore_layers, int) or self.rescore_layers < 0:
+            raise ValueError(f"rescore_layers must be an integer >= 0, got {self.rescore_layers!r}")
+        if not isinstance(self.candidate_ratio, (int, float)) or not 0.0 <= self.candidate_ratio <= 1.0:
+            raise ValueError(f"candidate_ratio must be in [0, 1], got {self.candidate_ratio!r}")
+        if self.rescore_layers:
+            if self.selector not in ("sparse_q", "kv_deviation"):
+                raise ValueError(f"rescore_layers needs a probe selector (sparse_q, kv_deviation), "
+                                 f"not {self.selector!r}")
+            if self.candidate_ratio < self.recompute_ratio:
+                raise ValueError(f"candidate_ratio {self.candidate_ratio!r} is below recompute_ratio "
+                                 f"{self.recompute_ratio!r}: the second stage keeps a subset of the candidates")
+            if num_layers is not None and self.full_layers + self.rescore_layers > num_layers:
+                raise ValueError(f"full_layers + rescore_layers = {self.full_layers + self.rescore_layers} "
+                                 f"exceeds the model's {num_layers} layers")
 
 
 @dataclass

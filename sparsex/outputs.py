@@ -46,3 +46,5 @@ class RequestOutput:
     num_cached_tokens: int = 0        # exact prefix-cache hit tokens
     num_reused_tokens: int = 0        # tokens served from the segment cache (before recomputation)
     num_recomputed_tokens: int = 0    # reused tokens that were recomputed
+    num_candidate_tokens: int = 0     # two-stage selection: reused tokens computed up to the re-scoring
+                                      # layer (>= num_recomputed_tokens); with one stage, equal to it

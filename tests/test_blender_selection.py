@@ -73,6 +73,37 @@ def test_sparse_q_keeps_budget_and_top_scores():
     assert torch.equal(torch.nonzero(keep).flatten()[-30:], torch.arange(370, 400))
 
 
+@pytest.mark.parametrize("ratio,candidates,boundary_tokens,share", [
+    p for p in itertools.product([0.0, 0.15, 0.5], [0.15, 0.5, 1.0], [0, 8], [0.0, 0.5]) if p[1] >= p[0]
+])
+def test_two_stage_counts_match_masks_and_nest(ratio, candidates, boundary_tokens, share):
+    """Two-stage selection: the first stage keeps exactly its host count of candidates, at least the
+    final budget, the leading tokens among them; the second keeps exactly the final count, a subset
+    of the candidates, as many as one stage keeps."""
+    reuse = ReuseConfig(full_layers=2, recompute_ratio=ratio, selector="sparse_q", boundary_tokens=boundary_tokens,
+                        rescore_layers=2, candidate_ratio=candidates)
+    one = ReuseConfig(full_layers=2, recompute_ratio=ratio, selector="sparse_q", boundary_tokens=boundary_tokens)
+    bl = _blender(share)
+    for i, seg_lens in enumerate(SEGMENTS):
+        b = _blend(seg_lens, reuse, seed=i)
+        n = b.reused_rows.numel()
+        first = bl._keep_mask(b)
+        c = bl._keep_count(b)
+        assert int(first.sum()) == c
+        assert c == min(n, max(bl._keep_count(_blend(seg_lens, one, seed=i)),
+                               round(candidates * n)))
+        assert bool(first[b.offsets < boundary_tokens].all())
+        rows = b.reused_rows[first]
+        b.stage, b.selected = 1, c
+        b.narrow(_true_indices(first, c))
+        assert torch.equal(b.reused_rows, rows) and b.num_reused == n
+        b.scores = torch.randint(0, 7, (c,), generator=torch.Generator().manual_seed(i)).float()
+        second = bl._keep_mask(b)
+        assert second.shape == (c,) and int(second.sum()) == bl._keep_count(b)
+        assert bl._keep_count(b) == bl._keep_count(_blend(seg_lens, one, seed=i))
+        assert bool(second[b.offsets < boundary_tokens].all())
+
+
 @pytest.mark.parametrize("n,p", [(1, 1.0), (7, 0.0), (100, 0.3), (4096, 0.15), (4096, 1.0)])
 def test_true_indices_equals_nonzero(n, p):
     g = torch.Generator().manual_seed(n)

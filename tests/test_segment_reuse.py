@@ -459,3 +459,40 @@ def test_few_hit_tokens_are_not_blended(llm_sx, llm_none, passages):
     assert (blended - want).norm() / want.norm() > 1e-4                  # and is approximate again
     with pytest.raises(ValueError, match="min_blend_tokens"):
         run_to_completion(eng, p, ONE, reuse={"min_blend_tokens": -1})
+
+
+def test_two_stage_selection_with_every_candidate_equals_one_stage_deeper(llm_sx, llm_none, passages):
+    """Two-stage selection (`rescore_layers`): with candidate_ratio = 1 the first stage keeps every
+    reused row, so the second probe sees what a one-stage probe `rescore_layers` deeper sees: the
+    output must equal full_layers = F + rescore_layers. With fewer candidates it is a different,
+    cheaper selection, and the counts say how many rows each stage kept."""
+    eng, ref = llm_sx.llm_engine, llm_none.llm_engine
+    eng.reset_cache()
+    run_to_completion(eng, _prompt(eng, HEAD, passages[:4], QUESTION), ONE)                  # register
+    p = _prompt(eng, "Another system prompt, so no prefix hit.\n", passages[:4][::-1], QUESTION)
+    base = {"approx_prefix": False, "recompute_ratio": 0.15}
+    run_to_completion(eng, p, ONE, reuse=base)           # p's own head is indexed now: later runs plan alike
+    deep = _logits_at_end(eng, p, reuse={**base, "full_layers": 4})
+    two = _logits_at_end(eng, p, reuse={**base, "full_layers": 2, "rescore_layers": 2, "candidate_ratio": 1.0})
+    torch.testing.assert_close(two, deep, rtol=1e-4, atol=1e-4)
+    one = _logits_at_end(eng, p, reuse={**base, "full_layers": 2})
+    assert (one - deep).norm() / deep.norm() > 1e-4                       # the oracle is not vacuous
+
+    reuse = {**base, "full_layers": 2, "rescore_layers": 2, "candidate_ratio": 0.3}
+    out, _ = run_to_completion(eng, p, ONE, reuse=reuse)
+    n = out.num_reused_tokens
+    assert n > 400
+    assert out.num_candidate_tokens == round(0.3 * n)
+    assert out.num_recomputed_tokens == round(0.15 * n)
+    got = _logits_at_end(eng, p, reuse=reuse)
+    want = _logits_at_end(ref, p)
+    assert torch.isfinite(got).all() and (got - want).norm() / want.norm() < 0.5
+    # one stage reports its candidates as the rows it kept
+    out, _ = run_to_completion(eng, p, ONE, reuse={**base, "full_layers": 2})
+    assert out.num_candidate_tokens == out.num_recomputed_tokens == round(0.15 * n)
+    for bad, match in (({"rescore_layers": -1}, "rescore_layers"), ({"candidate_ratio": 1.5}, "candidate_ratio"),
+                       ({"rescore_layers": 2, "candidate_ratio": 0.1}, "below recompute_ratio"),
+                       ({"rescore_layers": 2, "selector": "boundary", "full_layers": 0}, "probe selector"),
+                       ({"rescore_layers": 29}, "exceeds")):
+        with pytest.raises(ValueError, match=match):
+            run_to_completion(eng, p, ONE, reuse=bad)

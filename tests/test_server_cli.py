@@ -76,3 +76,7 @@ def test_engine_flags_reach_the_reuse_config():
         engine_config(p.parse_args(["serve", "--min-blend-tokens", "-3"])).reuse.verify()
     with pytest.raises(ValueError, match="min_context_tokens"):
         engine_config(p.parse_args(["serve", "--min-context-tokens", "-1"])).reuse.verify()
+    cfg = engine_config(p.parse_args(["serve", "--rescore-layers", "3", "--candidate-ratio", "0.4"]))
+    assert cfg.reuse.rescore_layers == 3 and cfg.reuse.candidate_ratio == 0.4
+    with pytest.raises(ValueError, match="below recompute_ratio"):
+        engine_config(p.parse_args(["serve", "--rescore-layers", "2", "--candidate-ratio", "0.1"])).reuse.verify()

@@ -178,7 +178,12 @@ def test_policies() -> None:
     assert len(grid) == len(SWEEP_RATIOS) * len(SWEEP_FULL_LAYERS)
     assert all(p.knobs().selector == "boundary" for p in grid if p.knobs().full_layers == 0)
     assert all(p.knobs().selector != "boundary" for p in grid if p.knobs().full_layers > 0)
-    for bad in ("nope", "none,none", "", "sparse_q:0:0.1", "kv_deviation:x:0.1", "random:1:1.5"):
+    two = parse_policies("sparse_q:2:0.15:rescore_layers=2:candidate_ratio=0.4")[0].knobs()
+    assert (two.rescore_layers, two.candidate_ratio, two.full_layers, two.min_blend_tokens) == (2, 0.4, 2, 0)
+    assert parse_policies("sparse_q:2:0.15:0:approx_prefix=false")[0].knobs().approx_prefix is False
+    for bad in ("nope", "none,none", "", "sparse_q:0:0.1", "kv_deviation:x:0.1", "random:1:1.5",
+                "sparse_q:2:0.1:nope=1", "sparse_q:2:0.1:rescore_layers=x", "sparse_q:2:0.1:selector=none",
+                "sparse_q:2:0.2:rescore_layers=2:candidate_ratio=0.1"):
         with pytest.raises(ValueError):
             parse_policies(bad)
 
@@ -196,6 +201,15 @@ def test_flop_model_matches_compute_share() -> None:
     assert tl == pytest.approx(1 * 968 + 29 * kept + (968 - kept) * qkv_share)
     assert fl < full
     assert fm.prefill(1000, 32, [(100, 900)], 800, 2)[1] == pytest.approx(fm.prefill(1000, 32, [], 0, 30)[1])
+    # two-stage selection: 240 candidates run layers 1..2 past layer 1's q/k/v, layer 3 narrows them to 60
+    tl2, fl2 = fm.prefill(1000, 32, [(100, 600), (600, 900)], 60, 2, num_candidates=240, rescore_layers=2)
+    cand = 968 - 800 + 240
+    assert tl2 == pytest.approx(1 * 968 + 2 * cand + 27 * kept + (968 - cand) * qkv_share + (cand - kept) * qkv_share)
+    assert tl < tl2 < fm.prefill(1000, 32, [(100, 600), (600, 900)], 240, 2)[0]
+    assert fl < fl2
+    # every candidate kept = one stage
+    assert fm.prefill(1000, 32, [(100, 900)], 60, 2, num_candidates=60, rescore_layers=2)[0] == \
+        pytest.approx(fm.prefill(1000, 32, [(100, 900)], 60, 2)[0])
 
 
 def test_task_score() -> None:

@@ -23,7 +23,8 @@ blend every hit, as the papers' rules do (min_blend_tokens=0); every other knob 
 selector scores tokens with a probe on layer F-1, so F=0 points use the boundary selector (the only
 rule that needs no full layer), which is said in their name.
 
-A custom policy is written ``SELECTOR:F:RATIO[:BOUNDARY]`` (e.g. ``kv_deviation:2:0.3``).
+A custom policy is written ``SELECTOR:F:RATIO[:BOUNDARY][:KNOB=VALUE...]`` (e.g. ``kv_deviation:2:0.3``,
+``sparse_q:2:0.15:rescore_layers=2:candidate_ratio=0.3``): any other `ReuseConfig` field by name.
 """
 from __future__ import annotations
 
@@ -95,11 +96,31 @@ NAMED_POLICIES: dict[str, Policy] = _named()
 DEFAULT_POLICIES = tuple(NAMED_POLICIES)
 
 
+_KNOB_TYPES = {f.name: f.type for f in dataclasses.fields(ReuseConfig)}
+
+
+def _knob(spec: str, item: str) -> tuple[str, object]:
+    name, _, text = item.partition("=")
+    kind = _KNOB_TYPES.get(name)
+    if kind is None or name in ("selector", "full_layers", "recompute_ratio", "boundary_tokens"):
+        raise ValueError(f"policy {spec!r}: unknown knob {name!r}; choose one of "
+                         f"{sorted(set(_KNOB_TYPES) - {'selector', 'full_layers', 'recompute_ratio', 'boundary_tokens'})}")
+    try:
+        if kind in (bool, "bool"):
+            if text not in ("0", "1", "true", "false"):
+                raise ValueError
+            return name, text in ("1", "true")
+        return name, (int(text) if kind in (int, "int") else float(text))
+    except ValueError:
+        raise ValueError(f"policy {spec!r}: bad value {text!r} for {name}") from None
+
+
 def _custom(spec: str) -> Policy:
-    parts = spec.split(":")
+    parts = [p for p in spec.split(":") if "=" not in p]
+    knobs = dict(_knob(spec, p) for p in spec.split(":") if "=" in p)
     if len(parts) not in (3, 4):
         raise ValueError(f"policy {spec!r}: expected a name ({', '.join(NAMED_POLICIES)}) "
-                         f"or SELECTOR:F:RATIO[:BOUNDARY]")
+                         f"or SELECTOR:F:RATIO[:BOUNDARY][:KNOB=VALUE...]")
     selector = parts[0]
     if selector not in SELECTORS:
         raise ValueError(f"policy {spec!r}: unknown selector {selector!r}; choose one of {SELECTORS}")
@@ -108,8 +129,10 @@ def _custom(spec: str) -> Policy:
         boundary = int(parts[3]) if len(parts) == 4 else 0
     except ValueError:
         raise ValueError(f"policy {spec!r}: F and BOUNDARY must be integers, RATIO a number") from None
-    return _sparsex(spec, f"custom: {selector}, F={full_layers}, r={ratio}, boundary={boundary}", "custom",
-                    selector=selector, full_layers=full_layers, recompute_ratio=ratio, boundary_tokens=boundary)
+    extra = "".join(f", {k}={v}" for k, v in knobs.items())
+    return _sparsex(spec, f"custom: {selector}, F={full_layers}, r={ratio}, boundary={boundary}{extra}", "custom",
+                    selector=selector, full_layers=full_layers, recompute_ratio=ratio, boundary_tokens=boundary,
+                    **knobs)
 
 
 def parse_policies(text: str | list[str] | tuple[str, ...]) -> list[Policy]:

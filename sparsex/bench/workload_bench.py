@@ -260,18 +260,24 @@ class FlopModel:
     def qkv_per_row_layer(self) -> int:
         return 2 * self.hidden * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
 
-    def token_layers(self, rows: int, kept_rows: int, full_layers: int) -> float:
+    def token_layers(self, rows: int, kept_rows: int, full_layers: int,
+                     candidate_rows: int | None = None, rescore_layers: int = 0) -> float:
         """(row, layer) passes of a prefill of `rows` rows of which `kept_rows` go past the
         selection layer S = max(F-1, 0): layers 0..S-1 run every row, layer S every row's q/k/v (a
         dropped row's counted as its share of a layer's linear FLOPs) and the kept rows' rest,
-        layers S+1.. the kept rows."""
+        layers S+1.. the kept rows. Two-stage selection: `candidate_rows` go past S, and the second
+        selection at S2 = S + rescore_layers narrows them to `kept_rows` the same way."""
         L = self.num_layers
         S = max(min(full_layers, L) - 1, 0)
+        S2 = min(S + rescore_layers, L)
+        cand = kept_rows if candidate_rows is None else candidate_rows
         qkv_share = self.qkv_per_row_layer / self.linear_per_row_layer
-        return S * rows + (L - S) * kept_rows + (rows - kept_rows) * qkv_share
+        return (S * rows + (S2 - S) * cand + (L - S2) * kept_rows
+                + (rows - cand) * qkv_share + (cand - kept_rows) * qkv_share * (S2 > S))
 
     def prefill(self, num_prompt: int, num_cached: int, reused_spans: list[tuple[int, int]],
-                num_recomputed: int, full_layers: int) -> tuple[float, float]:
+                num_recomputed: int, full_layers: int, num_candidates: int | None = None,
+                rescore_layers: int = 0) -> tuple[float, float]:
         """(token-layers, FLOPs) of one prefill. Token-layers count a row's pass through a layer as
         1, and a dropped row's q/k/v projection in the selection layer as its share of a layer's
         linear FLOPs.
@@ -291,8 +297,11 @@ class FlopModel:
         mean_keys = keys_reused / reused if reused else 0.0
         sparse_rows = rows - reused + num_recomputed
         sparse_keys = keys_all - keys_reused + num_recomputed * mean_keys
-        token_layers = self.token_layers(rows, sparse_rows, full_layers)
-        attn = 4 * self.num_heads * self.head_dim * (S * keys_all + (L - S) * sparse_keys)
+        cand = num_recomputed if num_candidates is None or not rescore_layers else num_candidates
+        S2 = min(S + rescore_layers, L)
+        cand_keys = keys_all - keys_reused + cand * mean_keys
+        token_layers = self.token_layers(rows, sparse_rows, full_layers, rows - reused + cand, S2 - S)
+        attn = 4 * self.num_heads * self.head_dim * (S * keys_all + (S2 - S) * cand_keys + (L - S2) * sparse_keys)
         return token_layers, float(token_layers * self.linear_per_row_layer + attn + 2 * self.hidden * self.vocab)
 
 
@@ -538,7 +547,9 @@ def replay_policy(cfg: WorkloadBenchConfig, policy: Policy, timed: LLMEngine, pl
         if sum(e - s for s, e in spans) + approx != reused:
             raise RuntimeError(f"{policy.name}/{req.request_id}: recorded spans cover "
                                f"{sum(e - s for s, e in spans)} + {approx} tokens, the engine reused {reused}")
-        tl, fl = flops.prefill(n, cached + approx, spans, rec_n, F)
+        knobs = policy.knobs()
+        tl, fl = flops.prefill(n, cached + approx, spans, rec_n, F, out.num_candidate_tokens,
+                               knobs.rescore_layers if knobs is not None else 0)
         rec = RequestRecord(
             cfg.workload, policy.name, i, req.request_id, n, cached, reused, rec_n, n - cached - reused + rec_n,
             tl, fl / 1e9, out.metrics.ttft or 0.0, 1000 * (st1.selection_seconds - st0.selection_seconds),

@@ -245,7 +245,7 @@ class LLMEngine:
             prompt_logprobs=first.prompt_logprobs, outputs=[self._completion(r, i) for i, r in enumerate(group)],
             finished=all(r.is_finished for r in group), metrics=first.metrics,
             num_cached_tokens=first.num_cached_tokens, num_reused_tokens=first.num_reused_tokens,
-            num_recomputed_tokens=first.num_recomputed_tokens)
+            num_recomputed_tokens=first.num_recomputed_tokens, num_candidate_tokens=first.num_candidate_tokens)
         if out.finished:
             for r in group:
                 self.requests.pop(r.request_id, None)

@@ -70,6 +70,7 @@ class Request:
     num_cached_tokens: int = 0
     num_reused_tokens: int = 0
     num_recomputed_tokens: int = 0
+    num_candidate_tokens: int = 0     # two-stage selection: reused tokens the first stage kept
     metrics: RequestMetrics = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:

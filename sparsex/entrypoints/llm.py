@@ -17,7 +17,7 @@ class LLM:
 
     cache: "none" (no reuse) | "prefix" (exact prefix caching) | "sparsex" (prefix + segment reuse).
     Segment-reuse knobs: full_layers, recompute_ratio, selector, boundary_tokens, min_segment_tokens,
-    min_context_tokens, min_blend_tokens, approx_prefix.
+    min_context_tokens, min_blend_tokens, rescore_layers, candidate_ratio, approx_prefix.
     """
 
     def __init__(self, model: str = "smollm2-135m-instruct", *, dtype: str = "float32", cache: str = "prefix",
@@ -26,11 +26,13 @@ class LLM:
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 64,
                  full_layers: int = 2, recompute_ratio: float = 0.15, selector: str = "sparse_q",
                  boundary_tokens: int = 0, min_segment_tokens: int = 16, min_context_tokens: int = 128,
-                 min_blend_tokens: int = 256, approx_prefix: bool = True,
+                 min_blend_tokens: int = 256, rescore_layers: int = 0, candidate_ratio: float = 0.3,
+                 approx_prefix: bool = True,
                  segment_eviction: str = "frequency", cache_dir: str | None = None):
         reuse = ReuseConfig(full_layers=full_layers, recompute_ratio=recompute_ratio, selector=selector,
                             boundary_tokens=boundary_tokens, min_segment_tokens=min_segment_tokens,
                             min_context_tokens=min_context_tokens, min_blend_tokens=min_blend_tokens,
+                            rescore_layers=rescore_layers, candidate_ratio=candidate_ratio,
                             approx_prefix=approx_prefix)
         self.config = EngineConfig(model=model, dtype=dtype, device=device, cache=cache, seed=seed,
                                    block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,

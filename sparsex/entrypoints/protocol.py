@@ -50,6 +50,10 @@ class ReuseOptions(_Request):
                                            "position is reused only before it (elsewhere recomputed)")
     min_blend_tokens: int | None = Field(default=None, ge=0, description="blend only when the segment hits "
                                          "total at least this many tokens (else recompute them)")
+    rescore_layers: int | None = Field(default=None, ge=0, description="two-stage selection: the first "
+                                       "selection's candidates run this many more layers, then are scored again")
+    candidate_ratio: float | None = Field(default=None, ge=0.0, le=1.0, description="two-stage selection: share "
+                                          "of reused tokens the first selection keeps")
     approx_prefix: bool | None = Field(default=None, description="continue a prefix hit with blended KV "
                                        "that earlier requests left (false: blend every reused segment afresh)")
 

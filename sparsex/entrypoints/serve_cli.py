@@ -68,6 +68,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-blend-tokens", type=int, default=r["min_blend_tokens"],
                    help="segment reuse: a request blends only when its segment hits total at least this many "
                         "tokens (below it they are recomputed and the request stays exact); 0 = always")
+    g.add_argument("--rescore-layers", type=int, default=r["rescore_layers"],
+                   help="segment reuse, two-stage selection: the first selection keeps --candidate-ratio of the "
+                        "reused tokens, which run this many more layers and are scored again there; 0 = one stage")
+    g.add_argument("--candidate-ratio", type=float, default=r["candidate_ratio"],
+                   help="segment reuse, two-stage selection: share of reused tokens the first selection keeps")
     g.add_argument("--no-approx-prefix", dest="approx_prefix", action="store_false", default=r["approx_prefix"],
                    help="segment reuse: blend every reused segment afresh instead of continuing an earlier "
                         "request's blended blocks (slower, closer to full prefill)")
@@ -109,6 +114,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     reuse = ReuseConfig(full_layers=args.full_layers, recompute_ratio=args.recompute_ratio, selector=args.selector,
                         boundary_tokens=args.boundary_tokens, min_segment_tokens=args.min_segment_tokens,
                         min_context_tokens=args.min_context_tokens, min_blend_tokens=args.min_blend_tokens,
+                        rescore_layers=args.rescore_layers, candidate_ratio=args.candidate_ratio,
                         approx_prefix=args.approx_prefix)
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache=args.cache, seed=args.seed,
                         block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,

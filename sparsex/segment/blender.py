@@ -71,8 +71,26 @@ class _SeqBlend:
     seq_index: int                     # the sequence's index in the step
     seg_lens: list[int]                # length of each reused segment (host copy: counts need no sync)
     query_rows: torch.Tensor           # [<= _QUERY_ROWS] new rows whose attention sparse_q weighs
+    num_reused: int = -1               # R before any selection (host); default: reused_rows' length
+    stage: int = 0                     # index into selection_layers(reuse): the next selection
     scores: torch.Tensor | None = None
-    selected: int = 0
+    selected: int = 0                  # reused rows the last selection kept
+    candidates: int = 0                # reused rows the first selection kept
+
+    def __post_init__(self) -> None:
+        if self.num_reused < 0:
+            self.num_reused = self.reused_rows.numel()
+
+    @property
+    def layer(self) -> int:
+        """The layer of this sequence's next probe and selection."""
+        return selection_layers(self.reuse)[self.stage]
+
+    def narrow(self, idx: torch.Tensor) -> None:
+        """Keep only the reused rows `idx` ([R'] sorted indices into the current ones)."""
+        self.reused_rows, self.reused_pos = self.reused_rows[idx], self.reused_pos[idx]
+        self.offsets, self.seg_lo = self.offsets[idx], self.seg_lo[idx]
+        self.scores = None
 
     @property
     def num_segments(self) -> int:
@@ -154,10 +172,11 @@ class Blender:
         hook_layer = min(selection_layer(r) for r in reuses)
         copy_from = min(selection_layer(r) + (r.selector not in selectors.PROBE_SELECTORS) for r in reuses)
         ctx.pre_layer_hooks[hook_layer] = lambda: self._copy_reused(sched, ctx, copy_from, runner.uploader)
-        probe_layers = {r.full_layers - 1 for r in reuses if r.selector in selectors.PROBE_SELECTORS}
+        probe_layers = {layer for r in reuses if r.selector in selectors.PROBE_SELECTORS
+                        for layer in selection_layers(r)}
         ctx.probe_layers = frozenset(probe_layers)
         ctx.probe = self._probe if probe_layers else None
-        ctx.row_selector = _RowSelector(self, frozenset(selection_layer(r) for r in reuses))
+        ctx.row_selector = _RowSelector(self, frozenset(layer for r in reuses for layer in selection_layers(r)))
 
     def _copy_reused(self, sched, ctx: ForwardContext, first_layer: int, uploader) -> None:
         """Copy every hit's K/V of layers `first_layer`.. into the requests' own blocks, keys
@@ -206,7 +225,8 @@ class Blender:
             col += h.shape[1]
             self._seqs.append(_SeqBlend(sched.scheduled[si].request, plan.reuse, part[3], part[4], part[5], part[6],
                                         seq_index=si, seg_lens=seg_lens,
-                                        query_rows=query_t[qcol:qcol + len(query_rows)]))
+                                        query_rows=query_t[qcol:qcol + len(query_rows)],
+                                        num_reused=h.shape[1]))
             qcol += len(query_rows)
         inv_freq = self.model.rotary.inv_freq
         caches = ctx.kv_caches[first_layer:]
@@ -240,7 +260,7 @@ class Blender:
         t0 = time.perf_counter()
         md = ctx.attn_metadata
         for b in self._seqs:
-            if b.reuse.full_layers - 1 != layer_idx or b.reuse.selector not in selectors.PROBE_SELECTORS:
+            if b.layer != layer_idx or b.reuse.selector not in selectors.PROBE_SELECTORS:
                 continue
             cur = self._current_rows(ctx, b.reused_rows)
             slots = md.slot_mapping[cur]
@@ -291,8 +311,9 @@ class Blender:
         md = ctx.attn_metadata
         keep = None                                                          # [num_rows] bool
         blends = []
+        present = []                                                         # reused rows before this selection
         for b in self._seqs:
-            if selection_layer(b.reuse) != layer_idx:
+            if b.stage >= len(selection_layers(b.reuse)) or b.layer != layer_idx:
                 continue
             if keep is None:
                 keep = torch.ones(md.positions.shape[0], dtype=torch.bool, device=md.positions.device)
@@ -301,23 +322,39 @@ class Blender:
             if mask.device.type == "cpu" and int(mask.sum()) != b.selected:    # free to check here
                 raise RuntimeError(f"keep mask has {int(mask.sum())} rows, _keep_count {b.selected}")
             keep[self._current_rows(ctx, b.reused_rows)] = mask
+            present.append(b.reused_rows.numel())
+            if b.stage == 0:
+                b.candidates = b.selected
+            b.stage += 1
+            if b.stage < len(selection_layers(b.reuse)):
+                b.narrow(_true_indices(mask, b.selected))   # the candidates, scored again deeper
             blends.append(b)
         if keep is None:
             return None
         rows_per_seq = [b - a for a, b in zip(md.cu_seqlens_q_cpu, md.cu_seqlens_q_cpu[1:])]
-        for b in blends:
-            rows_per_seq[b.seq_index] -= b.reused_rows.numel() - b.selected
+        for b, n in zip(blends, present):
+            rows_per_seq[b.seq_index] -= n - b.selected
         self.selection_seconds += time.perf_counter() - t0
-        if all(b.selected == b.reused_rows.numel() for b in blends):
+        if all(b.selected == n for b, n in zip(blends, present)):
             return None
         return _true_indices(keep, sum(rows_per_seq)), rows_per_seq
 
     def _keep_plan(self, b: _SeqBlend) -> tuple[int, int, int]:
-        """The rule of `b`, from host data only (the GPU path must not sync): (leading tokens of every
-        segment kept whatever the scores, how many rows that keeps, rows then picked by score).
-        sparse_q's boundary share is paid from the budget; `boundary_tokens` come on top of it."""
+        """The rule of `b`'s next selection, from host data only (the GPU path must not sync):
+        (leading tokens of every segment kept whatever the scores, how many rows that keeps, rows
+        then picked by score). sparse_q's boundary share is paid from the budget; `boundary_tokens`
+        come on top of it. A first stage of two keeps the same leading tokens and picks up to
+        `candidate_ratio` of the reused rows by score; the second picks among those candidates."""
         r = b.reuse
-        n = b.reused_rows.numel()
+        n = b.num_reused
+        lead, num_lead, k = self._final_plan(b)
+        if b.stage == 0 and len(selection_layers(r)) > 1:
+            k = min(max(k, int(round(r.candidate_ratio * n)) - num_lead), n - num_lead)
+        return lead, num_lead, k
+
+    def _final_plan(self, b: _SeqBlend) -> tuple[int, int, int]:
+        r = b.reuse
+        n = b.num_reused
         k = int(round(r.recompute_ratio * n)) if r.selector != "none" else 0
         lead = r.boundary_tokens
         if r.selector == "sparse_q" and self.boundary_share > 0 and k > 0:
@@ -335,8 +372,8 @@ class Blender:
         return num_lead + num_scored
 
     def _keep_mask(self, b: _SeqBlend) -> torch.Tensor:
-        """[R] bool on the rows' device: which reused rows of `b` go on past the selection (the
-        K/V store of layer F-1) and are recomputed in every later layer:
+        """[R] bool on the rows' device, over the reused rows still present: which go on past this
+        selection (the K/V store of its layer) and are recomputed in the later layers:
         the fixed leading tokens of each segment, then the top-scored others (exactly
         `_keep_count(b)` rows)."""
         r = b.reuse
@@ -365,6 +402,7 @@ class Blender:
             # on top of an approximate-chain prefix hit the scheduler already counted
             req.num_reused_tokens += plan.num_reused_tokens
             req.num_recomputed_tokens = b.selected if b is not None else 0
+            req.num_candidate_tokens = b.candidates if b is not None else 0
             self.reused_tokens += plan.num_reused_tokens
             self.recomputed_tokens += req.num_recomputed_tokens
             self.release(req)
@@ -399,6 +437,13 @@ def selection_layer(reuse: ReuseConfig) -> int:
     layer the probe reads. With F = 0 that is layer 0, whose K/V depend on token and position only,
     so its fresh K/V equal the re-rotated copies."""
     return max(reuse.full_layers - 1, 0)
+
+
+def selection_layers(reuse: ReuseConfig) -> tuple[int, ...]:
+    """Every layer inside which reused rows are dropped: the selection layer, and with two-stage
+    selection the layer `rescore_layers` deeper, whose probe re-scores the candidates."""
+    first = selection_layer(reuse)
+    return (first, first + reuse.rescore_layers) if reuse.rescore_layers else (first,)
 
 
 _QUERY_ROWS = 128          # new rows (the last ones) whose attention weights sparse_q's scores
