@@ -496,3 +496,41 @@ def test_two_stage_selection_with_every_candidate_equals_one_stage_deeper(llm_sx
                        ({"rescore_layers": 29}, "exceeds")):
         with pytest.raises(ValueError, match=match):
             run_to_completion(eng, p, ONE, reuse=bad)
+
+
+def test_one_step_blends_one_and_two_stage_requests_as_alone(llm_sx, passages):
+    """A step that blends a two-stage request next to a one-stage one (each selects at its own
+    layers; the second's rows are narrowed twice, the first's once) gives each the logits and
+    counts it gets alone."""
+    eng = llm_sx.llm_engine
+    eng.reset_cache()
+    run_to_completion(eng, _prompt(eng, HEAD, passages[:4], QUESTION), ONE)                  # register
+    heads = ["A first other system prompt, so no prefix hit.\n", "A second, different system prompt.\n"]
+    prompts = [_prompt(eng, heads[0], passages[:4][::-1], QUESTION),
+               _prompt(eng, heads[1], [passages[1], passages[3], passages[0], passages[2]], QUESTION)]
+    reuses = [{"approx_prefix": False, "full_layers": 2, "rescore_layers": 2, "candidate_ratio": 0.5},
+              {"approx_prefix": False, "full_layers": 3}]
+    for p, r in zip(prompts, reuses):
+        run_to_completion(eng, p, ONE, reuse=r)                # each head indexed: both runs plan alike
+    k = 4
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=k)
+    alone = [run_to_completion(eng, p, params, reuse=r)[0] for p, r in zip(prompts, reuses)]
+    for i, (p, r) in enumerate(zip(prompts, reuses)):
+        eng.add_request(f"together-{i}", p, params, reuse=r)
+    together, steps = {}, 0
+    while eng.has_unfinished_requests():
+        steps += 1
+        for o in eng.step():
+            if o.finished:
+                together[o.request_id] = o
+    assert steps == 1                                          # both prefills ran in the same step
+    for i, a in enumerate(alone):
+        t = together[f"together-{i}"]
+        assert (t.num_reused_tokens, t.num_candidate_tokens, t.num_recomputed_tokens) == \
+            (a.num_reused_tokens, a.num_candidate_tokens, a.num_recomputed_tokens)
+        assert a.num_reused_tokens > 400
+        la, lt = a.outputs[0].logprobs[0], t.outputs[0].logprobs[0]
+        assert list(la) == list(lt)
+        assert max(abs(la[x] - lt[x]) for x in la) < 1e-3
+    assert alone[0].num_candidate_tokens > alone[0].num_recomputed_tokens                # two stages
+    assert alone[1].num_candidate_tokens == alone[1].num_recomputed_tokens               # one

@@ -82,9 +82,10 @@ class _SeqBlend:
             self.num_reused = self.reused_rows.numel()
 
     @property
-    def layer(self) -> int:
-        """The layer of this sequence's next probe and selection."""
-        return selection_layers(self.reuse)[self.stage]
+    def layer(self) -> int | None:
+        """The layer of this sequence's next probe and selection; None once it has made them all."""
+        layers = selection_layers(self.reuse)
+        return layers[self.stage] if self.stage < len(layers) else None
 
     def narrow(self, idx: torch.Tensor) -> None:
         """Keep only the reused rows `idx` ([R'] sorted indices into the current ones)."""
@@ -313,7 +314,7 @@ class Blender:
         blends = []
         present = []                                                         # reused rows before this selection
         for b in self._seqs:
-            if b.stage >= len(selection_layers(b.reuse)) or b.layer != layer_idx:
+            if b.layer != layer_idx:
                 continue
             if keep is None:
                 keep = torch.ones(md.positions.shape[0], dtype=torch.bool, device=md.positions.device)
@@ -326,7 +327,7 @@ class Blender:
             if b.stage == 0:
                 b.candidates = b.selected
             b.stage += 1
-            if b.stage < len(selection_layers(b.reuse)):
+            if b.layer is not None:
                 b.narrow(_true_indices(mask, b.selected))   # the candidates, scored again deeper
             blends.append(b)
         if keep is None:
@@ -353,6 +354,7 @@ class Blender:
         return lead, num_lead, k
 
     def _final_plan(self, b: _SeqBlend) -> tuple[int, int, int]:
+        """`_keep_plan` of the last (or only) selection: recompute_ratio of the reused rows."""
         r = b.reuse
         n = b.num_reused
         k = int(round(r.recompute_ratio * n)) if r.selector != "none" else 0
