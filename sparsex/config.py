@@ -26,6 +26,10 @@ class ReuseConfig:
     recompute_ratio: float = 0.15        # share of reused tokens recomputed in the sparse layers
     selector: str = "sparse_q"
     boundary_tokens: int = 0             # also recompute the first k tokens of each reused segment
+    # sparse_q spends this share of its budget on the first tokens of each reused segment (split
+    # evenly), the rest by score. 0.25 was measured below 0.5 (the earlier default) and 0 on SmolLM2
+    # and Qwen2.5-Coder rag at equal compute: docs/benchmarks.md, "boundary share".
+    boundary_share: float = 0.25
     min_segment_tokens: int = 16         # shorter pieces are not worth indexing
     # a segment whose KV was computed starting before this position (with only the prompt's start
     # before it: its keys carry that start's attention-sink shape) is reused only at a position
@@ -44,7 +48,7 @@ class ReuseConfig:
     # again (from fresher, deeper K/V) and keeps `recompute_ratio` for the remaining layers.
     # 0 = one stage. docs/benchmarks.md, "two-stage selection".
     rescore_layers: int = 0
-    candidate_ratio: float = 0.3
+    candidate_ratio: float = 0.5
 
     def verify(self, num_layers: int | None = None) -> None:
         if self.selector not in SELECTORS:
@@ -57,6 +61,8 @@ class ReuseConfig:
             raise ValueError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio!r}")
         if not isinstance(self.boundary_tokens, int) or self.boundary_tokens < 0:
             raise ValueError(f"boundary_tokens must be an integer >= 0, got {self.boundary_tokens!r}")
+        if not isinstance(self.boundary_share, (int, float)) or not 0.0 <= self.boundary_share <= 1.0:
+            raise ValueError(f"boundary_share must be in [0, 1], got {self.boundary_share!r}")
         if not isinstance(self.min_segment_tokens, int) or self.min_segment_tokens < 1:
             raise ValueError(f"min_segment_tokens must be an integer >= 1, got {self.min_segment_tokens!r}")
         if not isinstance(self.min_context_tokens, int) or self.min_context_tokens < 0:

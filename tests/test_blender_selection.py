@@ -24,10 +24,9 @@ def _blend(seg_lens: list[int], reuse: ReuseConfig, seed: int) -> _SeqBlend:
     return b
 
 
-def _blender(boundary_share: float) -> Blender:
+def _blender() -> Blender:
     bl = Blender.__new__(Blender)          # the selection needs no model, index or pool
     bl._gen = torch.Generator().manual_seed(0)
-    bl.boundary_share = boundary_share
     return bl
 
 
@@ -42,8 +41,8 @@ SEGMENTS = [[40], [17, 300, 5, 64], [16] * 12, [500, 500]]
 def test_host_count_matches_device_mask(selector, ratio, boundary_tokens, share):
     full_layers = 0 if selector in ("boundary", "random", "none", "all") else 2
     reuse = ReuseConfig(full_layers=full_layers, recompute_ratio=ratio, selector=selector,
-                        boundary_tokens=boundary_tokens)
-    bl = _blender(share)
+                        boundary_tokens=boundary_tokens, boundary_share=share)
+    bl = _blender()
     for i, seg_lens in enumerate(SEGMENTS):
         b = _blend(seg_lens, reuse, seed=i)
         keep = bl._keep_mask(b)
@@ -62,8 +61,8 @@ def test_host_count_matches_device_mask(selector, ratio, boundary_tokens, share)
 def test_sparse_q_keeps_budget_and_top_scores():
     """sparse_q at r=0.15 keeps round(0.15 n) rows: half of them as segment starts, the rest the
     highest-scored of the others."""
-    reuse = ReuseConfig(full_layers=2, recompute_ratio=0.15, selector="sparse_q")
-    bl = _blender(0.5)
+    reuse = ReuseConfig(full_layers=2, recompute_ratio=0.15, selector="sparse_q", boundary_share=0.5)
+    bl = _blender()
     b = _blend([200, 200], reuse, seed=3)
     b.scores = torch.arange(400, dtype=torch.float32)         # later rows score higher
     keep = bl._keep_mask(b)
@@ -81,9 +80,10 @@ def test_two_stage_counts_match_masks_and_nest(ratio, candidates, boundary_token
     final budget, the leading tokens among them; the second keeps exactly the final count, a subset
     of the candidates, as many as one stage keeps."""
     reuse = ReuseConfig(full_layers=2, recompute_ratio=ratio, selector="sparse_q", boundary_tokens=boundary_tokens,
-                        rescore_layers=2, candidate_ratio=candidates)
-    one = ReuseConfig(full_layers=2, recompute_ratio=ratio, selector="sparse_q", boundary_tokens=boundary_tokens)
-    bl = _blender(share)
+                        boundary_share=share, rescore_layers=2, candidate_ratio=candidates)
+    one = ReuseConfig(full_layers=2, recompute_ratio=ratio, selector="sparse_q", boundary_tokens=boundary_tokens,
+                      boundary_share=share)
+    bl = _blender()
     for i, seg_lens in enumerate(SEGMENTS):
         b = _blend(seg_lens, reuse, seed=i)
         n = b.reused_rows.numel()
@@ -111,3 +111,17 @@ def test_true_indices_equals_nonzero(n, p):
     got = _true_indices(mask, int(mask.sum()))
     assert got.dtype == torch.int64
     assert torch.equal(got, torch.nonzero(mask).flatten())
+
+
+def test_default_boundary_share_is_a_quarter_of_the_budget():
+    """The engine default spends 25% of sparse_q's budget on segment starts (docs/benchmarks.md)."""
+    reuse = ReuseConfig(full_layers=2, recompute_ratio=0.15, selector="sparse_q")
+    assert reuse.boundary_share == 0.25
+    b = _blend([200, 200], reuse, seed=3)
+    b.scores = torch.arange(400, dtype=torch.float32)
+    keep = _blender()._keep_mask(b)
+    per_segment = round(0.25 * 60) // 2                        # 7 leading tokens of each segment
+    assert bool(keep[b.offsets < per_segment].all()) and not bool(keep[b.offsets == per_segment][0])
+    assert int(keep.sum()) == 60
+    with pytest.raises(ValueError, match="boundary_share"):
+        ReuseConfig(boundary_share=1.5).verify()

@@ -303,6 +303,7 @@ CHAT_ERRORS = [
     ({"messages": [{"role": "user", "content": "hi"}], "reuse": {"min_context_tokens": -1}}, None),
     ({"messages": [{"role": "user", "content": "hi"}], "reuse": {"min_blend_tokens": -1}}, None),
     ({"messages": [{"role": "user", "content": "hi"}], "reuse": {"candidate_ratio": 2.0}}, None),
+    ({"messages": [{"role": "user", "content": "hi"}], "reuse": {"boundary_share": -0.1}}, None),
     ({"messages": [{"role": "user", "content": "hi"}], "reuse": {"rescore_layers": 2, "candidate_ratio": 0.05}}, None),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages.0.content.0"),
     ({"messages": [{"role": "user", "content": "hi"}], "seed": 2 ** 70}, "seed"),

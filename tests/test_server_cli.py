@@ -76,6 +76,8 @@ def test_engine_flags_reach_the_reuse_config():
         engine_config(p.parse_args(["serve", "--min-blend-tokens", "-3"])).reuse.verify()
     with pytest.raises(ValueError, match="min_context_tokens"):
         engine_config(p.parse_args(["serve", "--min-context-tokens", "-1"])).reuse.verify()
+    assert engine_config(p.parse_args(["serve"])).reuse.boundary_share == 0.25
+    assert engine_config(p.parse_args(["serve", "--boundary-share", "0.5"])).reuse.boundary_share == 0.5
     cfg = engine_config(p.parse_args(["serve", "--rescore-layers", "3", "--candidate-ratio", "0.4"]))
     assert cfg.reuse.rescore_layers == 3 and cfg.reuse.candidate_ratio == 0.4
     with pytest.raises(ValueError, match="below recompute_ratio"):

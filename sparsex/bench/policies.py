@@ -96,15 +96,16 @@ NAMED_POLICIES: dict[str, Policy] = _named()
 DEFAULT_POLICIES = tuple(NAMED_POLICIES)
 
 
-_KNOB_TYPES = {f.name: f.type for f in dataclasses.fields(ReuseConfig)}
+_POSITIONAL = ("selector", "full_layers", "recompute_ratio", "boundary_tokens")     # SELECTOR:F:RATIO:BOUNDARY
+_KNOB_TYPES = {f.name: f.type for f in dataclasses.fields(ReuseConfig) if f.name not in _POSITIONAL}
 
 
 def _knob(spec: str, item: str) -> tuple[str, object]:
+    """`name=value` -> (name, value typed as the ReuseConfig field)."""
     name, _, text = item.partition("=")
     kind = _KNOB_TYPES.get(name)
-    if kind is None or name in ("selector", "full_layers", "recompute_ratio", "boundary_tokens"):
-        raise ValueError(f"policy {spec!r}: unknown knob {name!r}; choose one of "
-                         f"{sorted(set(_KNOB_TYPES) - {'selector', 'full_layers', 'recompute_ratio', 'boundary_tokens'})}")
+    if kind is None:
+        raise ValueError(f"policy {spec!r}: unknown knob {name!r}; choose one of {sorted(_KNOB_TYPES)}")
     try:
         if kind in (bool, "bool"):
             if text not in ("0", "1", "true", "false"):

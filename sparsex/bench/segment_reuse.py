@@ -10,6 +10,7 @@ question (and the teacher-forced continuation) is new content.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ref = _engine(args.model, args.dtype, "none", device=args.device)
     pol = _engine(args.model, args.dtype, "sparsex", device=args.device)
     if args.boundary_share is not None:
-        pol.runner.blender.boundary_share = args.boundary_share
+        pol.config.reuse = dataclasses.replace(pol.config.reuse, boundary_share=args.boundary_share)
     if args.sparse_q_variant:
         pol.runner.blender.sparse_q_variant = args.sparse_q_variant
     pairs = build_queries(ref, args.queries, args.passages, args.seed)

@@ -16,7 +16,7 @@ class LLM:
     """llm = LLM(model="smollm2-135m-instruct", dtype="float32", cache="prefix", seed=0)
 
     cache: "none" (no reuse) | "prefix" (exact prefix caching) | "sparsex" (prefix + segment reuse).
-    Segment-reuse knobs: full_layers, recompute_ratio, selector, boundary_tokens, min_segment_tokens,
+    Segment-reuse knobs: full_layers, recompute_ratio, selector, boundary_tokens, boundary_share, min_segment_tokens,
     min_context_tokens, min_blend_tokens, rescore_layers, candidate_ratio, approx_prefix.
     """
 
@@ -25,12 +25,14 @@ class LLM:
                  kv_cache_memory: int = 1 << 30, max_model_len: int | None = None,
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 64,
                  full_layers: int = 2, recompute_ratio: float = 0.15, selector: str = "sparse_q",
-                 boundary_tokens: int = 0, min_segment_tokens: int = 16, min_context_tokens: int = 128,
-                 min_blend_tokens: int = 256, rescore_layers: int = 0, candidate_ratio: float = 0.3,
+                 boundary_tokens: int = 0, boundary_share: float = 0.25, min_segment_tokens: int = 16,
+                 min_context_tokens: int = 128,
+                 min_blend_tokens: int = 256, rescore_layers: int = 0, candidate_ratio: float = 0.5,
                  approx_prefix: bool = True,
                  segment_eviction: str = "frequency", cache_dir: str | None = None):
         reuse = ReuseConfig(full_layers=full_layers, recompute_ratio=recompute_ratio, selector=selector,
-                            boundary_tokens=boundary_tokens, min_segment_tokens=min_segment_tokens,
+                            boundary_tokens=boundary_tokens, boundary_share=boundary_share,
+                            min_segment_tokens=min_segment_tokens,
                             min_context_tokens=min_context_tokens, min_blend_tokens=min_blend_tokens,
                             rescore_layers=rescore_layers, candidate_ratio=candidate_ratio,
                             approx_prefix=approx_prefix)

@@ -46,6 +46,8 @@ class ReuseOptions(_Request):
     recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
     selector: str | None = None
     boundary_tokens: int | None = Field(default=None, ge=0)
+    boundary_share: float | None = Field(default=None, ge=0.0, le=1.0, description="share of sparse_q's budget "
+                                         "spent on the first tokens of each reused segment")
     min_context_tokens: int | None = Field(default=None, ge=0, description="a segment computed before this "
                                            "position is reused only before it (elsewhere recomputed)")
     min_blend_tokens: int | None = Field(default=None, ge=0, description="blend only when the segment hits "

@@ -60,6 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--selector", choices=SELECTORS, default=r["selector"], help="segment reuse: how tokens to recompute are chosen")
     g.add_argument("--boundary-tokens", type=int, default=r["boundary_tokens"],
                    help="segment reuse: also recompute each segment's first k tokens")
+    g.add_argument("--boundary-share", type=float, default=r["boundary_share"],
+                   help="segment reuse: share of sparse_q's budget spent on the first tokens of each reused segment")
     g.add_argument("--min-segment-tokens", type=int, default=r["min_segment_tokens"],
                    help="segment reuse: shorter pieces are not indexed")
     g.add_argument("--min-context-tokens", type=int, default=r["min_context_tokens"],
@@ -112,7 +114,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     reuse = ReuseConfig(full_layers=args.full_layers, recompute_ratio=args.recompute_ratio, selector=args.selector,
-                        boundary_tokens=args.boundary_tokens, min_segment_tokens=args.min_segment_tokens,
+                        boundary_tokens=args.boundary_tokens, boundary_share=args.boundary_share,
+                        min_segment_tokens=args.min_segment_tokens,
                         min_context_tokens=args.min_context_tokens, min_blend_tokens=args.min_blend_tokens,
                         rescore_layers=args.rescore_layers, candidate_ratio=args.candidate_ratio,
                         approx_prefix=args.approx_prefix)

@@ -109,7 +109,6 @@ class Blender:
         self._seqs: list[_SeqBlend] = []
         self._pending: dict[str, tuple[int, list[SegmentEntry]]] = {}   # planned, not yet admitted
         self.sparse_q_variant = "dev_qrel"     # measurement knobs (benchmarks); see docs/benchmarks.md
-        self.boundary_share = 0.5              # share of sparse_q's budget spent on segment-start tokens
         # counters
         self.recomputed_tokens = 0
         self.reused_tokens = 0
@@ -359,8 +358,8 @@ class Blender:
         n = b.num_reused
         k = int(round(r.recompute_ratio * n)) if r.selector != "none" else 0
         lead = r.boundary_tokens
-        if r.selector == "sparse_q" and self.boundary_share > 0 and k > 0:
-            per_segment = max(1, int(round(self.boundary_share * k)) // b.num_segments)
+        if r.selector == "sparse_q" and r.boundary_share > 0 and k > 0:
+            per_segment = max(1, int(round(r.boundary_share * k)) // b.num_segments)
             lead = max(lead, per_segment)
             k -= sum(min(per_segment, s) for s in b.seg_lens)
         num_lead = sum(min(lead, s) for s in b.seg_lens)
