@@ -762,10 +762,11 @@ def section_blend_profile(llm_sx: LLM) -> None:
     RESULTS["blend_profile"] = out
 
 
-def section_syncs(llm_sx: LLM) -> None:
+def section_syncs(llm_sx: LLM, reuse: dict | None = None, label: str = "default") -> None:
     """Every host<-device synchronisation of one blended request (8 passages cached in another
-    order), with the engine frames that made it: torch's sync debug mode turns each into a warning.
-    The step should sync only where the host truly needs device data (the sampled token)."""
+    order; `reuse`: per-request knob overrides), with the engine frames that made it: torch's sync
+    debug mode turns each into a warning. The step should sync only where the host truly needs
+    device data (the sampled token)."""
     import collections
     import traceback
     import warnings
@@ -789,13 +790,13 @@ def section_syncs(llm_sx: LLM) -> None:
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            _ttft(llm_sx, prompt(2), "sync-run")
+            _ttft(llm_sx, prompt(2), f"sync-run-{label}", reuse=reuse)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     rows = [[where or "(outside the engine)", str(n)] for where, n in found.most_common()]
-    table(f"Host-device syncs of one blended request ({k} passages x {plen} tokens, cached in another order)",
-          ["engine frames (innermost first)", "syncs"], rows or [["none", "0"]])
-    RESULTS["syncs"] = dict(found)
+    table(f"Host-device syncs of one blended request ({k} passages x {plen} tokens, cached in another order; "
+          f"knobs: {label})", ["engine frames (innermost first)", "syncs"], rows or [["none", "0"]])
+    RESULTS.setdefault("syncs", {})[label] = dict(found)
 
 
 # ------------------------------------------------------------------------------ SmolLM2 (real weights)
@@ -937,7 +938,8 @@ def main() -> None:
                 if "blendprof" in sections:
                     section_blend_profile(llm_sx)
                 if "syncs" in sections:
-                    section_syncs(llm_sx)
+                    for label, rv in [("default", None)] + _parse_variants(args.variants):
+                        section_syncs(llm_sx, rv, label)
     finally:
         if OUT:
             with open(os.path.join(OUT, "gpu_engine.json"), "w") as f:
