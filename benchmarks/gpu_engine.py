@@ -17,7 +17,8 @@ Sections (each prints a table; all numbers of a table come from this one process
            recompute_ratio=0.15, default selector) vs "none" vs "prefix", with a CUDA-event breakdown;
            replayed three ways: interleaved (the engines in turn), back to back (one engine's requests
            in a row) and idle start (interleaved, the GPU idle IDLE_S before each request, so none
-           inherits the power/clock state the previous one left).
+           inherits the power/clock state the previous one left). `--variants "k=v,k=v;..."` replays
+           more knob sets of the sparsex engine (per-request reuse overrides) the same way.
   blendprof  one blended request at 16 and 64 passages (8k and 32k tokens): host time per engine phase and the GPU
            timeline (busy, idle, largest gaps) from torch.profiler.
   syncs    every host<-device synchronisation of one blended request (torch's sync debug mode), with
