@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from sparsex import LLM, SamplingParams  # noqa: E402
+from sparsex.bench.policies import parse_knob  # noqa: E402
 from sparsex.bench.workload_bench import FlopModel  # noqa: E402
 from sparsex.engine.forward_context import ForwardContext  # noqa: E402
 from sparsex.layers.attention_metadata import AttentionMetadata  # noqa: E402
@@ -881,15 +882,10 @@ def _dry_run_setup() -> None:
 
 
 def _parse_variants(text: str) -> list[tuple[str, dict]]:
-    """'a=1,b=0.5;c=2' -> [("a=1,b=0.5", {"a": 1, "b": 0.5}), ("c=2", {"c": 2})] (numbers only)."""
-    out = []
-    for spec in filter(None, (x.strip() for x in text.split(";"))):
-        knobs = {}
-        for item in spec.split(","):
-            key, _, val = item.partition("=")
-            knobs[key.strip()] = float(val) if "." in val else int(val)
-        out.append((spec, knobs))
-    return out
+    """'a=1,b=0.5;c=2' -> [("a=1,b=0.5", {"a": 1, "b": 0.5}), ("c=2", {"c": 2})], each value typed
+    as its ReuseConfig field."""
+    return [(spec, dict(parse_knob(item.strip(), spec) for item in spec.split(",")))
+            for spec in filter(None, (x.strip() for x in text.split(";")))]
 
 
 def main() -> None:

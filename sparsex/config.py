@@ -7,6 +7,7 @@ import torch
 
 CACHE_MODES = ("none", "prefix", "sparsex")
 SELECTORS = ("sparse_q", "kv_deviation", "boundary", "random", "none", "all")
+PROBE_SELECTORS = ("kv_deviation", "sparse_q")     # score tokens with a probe on a full layer
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -71,16 +72,15 @@ class ReuseConfig:
             raise ValueError(f"min_blend_tokens must be an integer >= 0, got {self.min_blend_tokens!r}")
         if not isinstance(self.approx_prefix, bool):
             raise ValueError(f"approx_prefix must be a bool, got {self.approx_prefix!r}")
-        if self.selector in ("sparse_q", "kv_deviation") and self.full_layers < 1:
+        if self.selector in PROBE_SELECTORS and self.full_layers < 1:
             raise ValueError(f"selector {self.selector!r} scores tokens with a full layer: full_layers must be >= 1")
         if not isinstance(self.rescore_layers, int) or self.rescore_layers < 0:
             raise ValueError(f"rescore_layers must be an integer >= 0, got {self.rescore_layers!r}")
         if not isinstance(self.candidate_ratio, (int, float)) or not 0.0 <= self.candidate_ratio <= 1.0:
             raise ValueError(f"candidate_ratio must be in [0, 1], got {self.candidate_ratio!r}")
         if self.rescore_layers:
-            if self.selector not in ("sparse_q", "kv_deviation"):
-                raise ValueError(f"rescore_layers needs a probe selector (sparse_q, kv_deviation), "
-                                 f"not {self.selector!r}")
+            if self.selector not in PROBE_SELECTORS:
+                raise ValueError(f"rescore_layers needs a probe selector {PROBE_SELECTORS}, not {self.selector!r}")
             if self.candidate_ratio < self.recompute_ratio:
                 raise ValueError(f"candidate_ratio {self.candidate_ratio!r} is below recompute_ratio "
                                  f"{self.recompute_ratio!r}: the second stage keeps a subset of the candidates")

@@ -100,8 +100,10 @@ _POSITIONAL = ("selector", "full_layers", "recompute_ratio", "boundary_tokens") 
 _KNOB_TYPES = {f.name: f.type for f in dataclasses.fields(ReuseConfig) if f.name not in _POSITIONAL}
 
 
-def _knob(spec: str, item: str) -> tuple[str, object]:
-    """`name=value` -> (name, value typed as the ReuseConfig field)."""
+def parse_knob(item: str, spec: str | None = None) -> tuple[str, object]:
+    """`name=value` -> (name, value typed as the ReuseConfig field); `spec` names the whole
+    text in errors."""
+    spec = item if spec is None else spec
     name, _, text = item.partition("=")
     kind = _KNOB_TYPES.get(name)
     if kind is None:
@@ -118,7 +120,7 @@ def _knob(spec: str, item: str) -> tuple[str, object]:
 
 def _custom(spec: str) -> Policy:
     parts = [p for p in spec.split(":") if "=" not in p]
-    knobs = dict(_knob(spec, p) for p in spec.split(":") if "=" in p)
+    knobs = dict(parse_knob(p, spec) for p in spec.split(":") if "=" in p)
     if len(parts) not in (3, 4):
         raise ValueError(f"policy {spec!r}: expected a name ({', '.join(NAMED_POLICIES)}) "
                          f"or SELECTOR:F:RATIO[:BOUNDARY][:KNOB=VALUE...]")

@@ -272,8 +272,8 @@ class FlopModel:
         S2 = min(S + rescore_layers, L)
         cand = kept_rows if candidate_rows is None else candidate_rows
         qkv_share = self.qkv_per_row_layer / self.linear_per_row_layer
-        return (S * rows + (S2 - S) * cand + (L - S2) * kept_rows
-                + (rows - cand) * qkv_share + (cand - kept_rows) * qkv_share * (S2 > S))
+        # every dropped row computed its q/k/v in the layer that dropped it, whichever stage that was
+        return S * rows + (S2 - S) * cand + (L - S2) * kept_rows + (rows - kept_rows) * qkv_share
 
     def prefill(self, num_prompt: int, num_cached: int, reused_spans: list[tuple[int, int]],
                 num_recomputed: int, full_layers: int, num_candidates: int | None = None,
@@ -297,7 +297,7 @@ class FlopModel:
         mean_keys = keys_reused / reused if reused else 0.0
         sparse_rows = rows - reused + num_recomputed
         sparse_keys = keys_all - keys_reused + num_recomputed * mean_keys
-        cand = num_recomputed if num_candidates is None or not rescore_layers else num_candidates
+        cand = num_recomputed if num_candidates is None else num_candidates
         S2 = min(S + rescore_layers, L)
         cand_keys = keys_all - keys_reused + cand * mean_keys
         token_layers = self.token_layers(rows, sparse_rows, full_layers, rows - reused + cand, S2 - S)
@@ -530,6 +530,7 @@ def replay_policy(cfg: WorkloadBenchConfig, policy: Policy, timed: LLMEngine, pl
 
     reuse = policy.overrides
     F = policy.full_layers(flops.num_layers)
+    rescore = policy.knobs().rescore_layers if policy.knobs() is not None else 0
     records = []
     for i in _progress(range(len(requests)), f"{cfg.workload}/{policy.name}", cfg.progress):
         req, prompt = requests[i], prompts[i]
@@ -547,9 +548,7 @@ def replay_policy(cfg: WorkloadBenchConfig, policy: Policy, timed: LLMEngine, pl
         if sum(e - s for s, e in spans) + approx != reused:
             raise RuntimeError(f"{policy.name}/{req.request_id}: recorded spans cover "
                                f"{sum(e - s for s, e in spans)} + {approx} tokens, the engine reused {reused}")
-        knobs = policy.knobs()
-        tl, fl = flops.prefill(n, cached + approx, spans, rec_n, F, out.num_candidate_tokens,
-                               knobs.rescore_layers if knobs is not None else 0)
+        tl, fl = flops.prefill(n, cached + approx, spans, rec_n, F, out.num_candidate_tokens, rescore)
         rec = RequestRecord(
             cfg.workload, policy.name, i, req.request_id, n, cached, reused, rec_n, n - cached - reused + rec_n,
             tl, fl / 1e9, out.metrics.ttft or 0.0, 1000 * (st1.selection_seconds - st0.selection_seconds),

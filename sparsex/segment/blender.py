@@ -71,15 +71,15 @@ class _SeqBlend:
     seq_index: int                     # the sequence's index in the step
     seg_lens: list[int]                # length of each reused segment (host copy: counts need no sync)
     query_rows: torch.Tensor           # [<= _QUERY_ROWS] new rows whose attention sparse_q weighs
-    num_reused: int = -1               # R before any selection (host); default: reused_rows' length
     stage: int = 0                     # index into selection_layers(reuse): the next selection
     scores: torch.Tensor | None = None
     selected: int = 0                  # reused rows the last selection kept
     candidates: int = 0                # reused rows the first selection kept
 
-    def __post_init__(self) -> None:
-        if self.num_reused < 0:
-            self.num_reused = self.reused_rows.numel()
+    @property
+    def num_reused(self) -> int:
+        """R before any selection (host)."""
+        return sum(self.seg_lens)
 
     @property
     def layer(self) -> int | None:
@@ -225,8 +225,7 @@ class Blender:
             col += h.shape[1]
             self._seqs.append(_SeqBlend(sched.scheduled[si].request, plan.reuse, part[3], part[4], part[5], part[6],
                                         seq_index=si, seg_lens=seg_lens,
-                                        query_rows=query_t[qcol:qcol + len(query_rows)],
-                                        num_reused=h.shape[1]))
+                                        query_rows=query_t[qcol:qcol + len(query_rows)]))
             qcol += len(query_rows)
         inv_freq = self.model.rotary.inv_freq
         caches = ctx.kv_caches[first_layer:]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-PROBE_SELECTORS = ("kv_deviation", "sparse_q")
+from sparsex.config import PROBE_SELECTORS  # noqa: F401  (the selectors that read the probe)
 
 
 def boundary_scores(offsets: torch.Tensor) -> torch.Tensor:
