@@ -691,6 +691,17 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM,
     RESULTS["request_wall_clock"] = WALL
 
 
+def _top_kernels(prof, n: int = 12) -> list[tuple[str, float, int]]:
+    """The `n` kernels with the most self device time: (name, ms, calls)."""
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        t = getattr(e, "self_cuda_time_total", 0.0) if t is None else t
+        if t > 0 and not e.key.startswith("aten::"):
+            rows.append((e.key[:60], round(t / 1e3, 3), e.count))
+    return sorted(rows, key=lambda r: -r[1])[:n]
+
+
 def _gpu_timeline(prof) -> dict:
     """Kernel intervals of a torch.profiler run -> busy time, idle gaps inside the span, largest gaps."""
     ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
@@ -705,7 +716,13 @@ def _gpu_timeline(prof) -> dict:
         if b > end:
             end, prev = b, name
     gaps.sort(reverse=True)
+    cpu = [(e.time_range.start, e.time_range.end) for e in prof.events()
+           if e.device_type == torch.autograd.DeviceType.CPU]
+    # host time before the first kernel starts / after the last one ends, within the profiled request
+    lead = (ks[0][0] - min(a for a, _ in cpu)) / 1e3 if cpu else 0.0
+    tail = (max(b for _, b in cpu) - end) / 1e3 if cpu else 0.0
     return {"kernels": len(ks), "span_ms": (end - ks[0][0]) / 1e3, "busy_ms": busy / 1e3,
+            "lead_ms": lead, "tail_ms": tail,
             "idle_ms": sum(g for g, _, _ in gaps) / 1e3,
             "largest_gaps": [(round(g / 1e3, 3), a[:40], b[:40]) for g, a, b in gaps[:6]]}
 
@@ -752,7 +769,8 @@ def section_blend_profile(llm_sx: LLM) -> None:
             _ttft(llm_sx, prompt(5, rand_ids(48)), f"bp{k}-prof")
         tl = _gpu_timeline(prof)
         wall = 1e3 * statistics.median(walls)
-        out.append({"passages": k, "wall_ms": wall, "host_ms": host, "gpu": tl})
+        out.append({"passages": k, "wall_ms": wall, "host_ms": host, "gpu": tl, "kernels_ms": kernel_split(prof),
+                    "top_kernels": _top_kernels(prof)})
         log(f"blendprof {k}: {out[-1]}")
         rows.append([f"{k} x {plen}", f"{wall:.1f}", " / ".join(f"{key.strip()} {v:.1f}" for key, v in host.items()),
                      f"{tl.get('span_ms', 0):.1f} / {tl.get('busy_ms', 0):.1f} / {tl.get('idle_ms', 0):.1f}",

@@ -89,13 +89,15 @@ def check_attention(seqs, heads, head_dim, dtype, device, contiguous, block_size
                                              dtype, device, contiguous)
     scale = 1.0 / math.sqrt(head_dim)
     ref = reference(query, k_cache, v_cache, md, scale)
-    out = torch.full_like(query, float("nan"))
-    if decode:
-        ta.decode_attention(query, k_cache, v_cache, md, scale, out=out)
-    else:
-        ta.prefill_attention(query, k_cache, v_cache, md, scale, out=out)
-    err = rel_err(out, ref)
-    assert err < TOL[dtype], f"rel err {err:.2e}"
+    # prefill: from the paged cache and from a contiguous copy of the keys (TMA on Hopper)
+    for gather in (None,) if decode else (False, True):
+        out = torch.full_like(query, float("nan"))
+        if decode:
+            ta.decode_attention(query, k_cache, v_cache, md, scale, out=out)
+        else:
+            ta.prefill_attention(query, k_cache, v_cache, md, scale, out=out, gather=gather)
+        err = rel_err(out, ref)
+        assert err < TOL[dtype], f"gather={gather}: rel err {err:.2e}"
     # the backend's own dispatch gives the same result
     again = ta.TritonAttentionBackend.attention(query, k_cache, v_cache, md, scale)
     assert rel_err(again, ref) < TOL[dtype]
@@ -151,6 +153,29 @@ def test_sparse_rows_with_empty_sequence(device, dtype):
     rows = rows[torch.randperm(rows.numel(), generator=gen)]
     seqs = [(50, torch.empty(0, dtype=torch.int64)), (400, rows), (90, torch.empty(0, dtype=torch.int64))]
     check_attention(seqs, (8, 2), 128, dtype, device, contiguous=False)
+
+
+def test_sparse_rows_long_prompt_two_sequences(device):
+    # several key tiles per query tile, two sequences of different lengths in one gathered copy
+    # (the shorter one's padding blocks are copied but must never be read)
+    gen = torch.Generator().manual_seed(11)
+    seqs = [(3000, sparse_rows(3000, 0.2, 48, gen)), (1100, sparse_rows(1100, 0.5, 16, gen))]
+    check_attention(seqs, (32, 8), 128, torch.bfloat16, device, contiguous=False)
+
+
+def test_gather_pays_only_for_many_rows_per_key(device):
+    from sparsex.layers import triton_attention as ta
+
+    def md_for(seqs):
+        return make_batch(seqs, 8, 2, 64, 16, torch.bfloat16, device, contiguous=False)[3]
+    gen = torch.Generator().manual_seed(3)
+    big = md_for([(8192, sparse_rows(8192, 0.15, 64, gen))])        # ~1.3k rows over 8k keys: pays
+    assert ta.gather_pays(big, big.cu_seqlens_q_cpu[-1], 16)
+    few = md_for([(8192, tail_rows(8192, 300))])                     # too few rows to repay the copy
+    assert not ta.gather_pays(few, few.cu_seqlens_q_cpu[-1], 16)
+    # many rows, but spread over many short sequences padded to the longest: the copy is mostly padding
+    mixed = md_for([(8192, tail_rows(8192, 1))] + [(64, full_rows(64))] * 12)
+    assert not ta.gather_pays(mixed, mixed.cu_seqlens_q_cpu[-1], 16)
 
 
 @pytest.mark.parametrize("heads", GQA)

@@ -36,49 +36,81 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_keys(
-    acc, m_i, l_i,                 # running state: [M, D] fp32, [M] fp32, [M] fp32
-    q,                             # [M, D] query lines, input dtype
-    pos_m,                         # [M] int32, absolute position of each line
-    k_base, v_base,                # cache pointers, already offset to this KV head
-    bt_row,                        # pointer to this sequence's block-table row
-    lo, hi,                        # key range [lo, hi); lo a multiple of BLOCK_N
-    stride_kb, stride_ks, stride_vb, stride_vs,
-    qk_scale,                      # softmax scale * log2(e)
+def _key_block(
+    start, acc, m_i, l_i, q, pos_m, k_base, v_base, bt_row, k_desc, v_desc, kv_col, hi,
+    stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MASKED: tl.constexpr, PREC: tl.constexpr,
+    MASKED: tl.constexpr, KV_MODE: tl.constexpr, PREC: tl.constexpr,
 ):
+    """One key block [start, start + BLOCK_N) of the online softmax. KV_MODE: 0 paged (slots through
+    the block table), 1 gathered (row `start + i` of a contiguous copy: k_base already points at the
+    sequence's row 0 and this KV head), 2 gathered through TMA descriptors (rows `start + i`, columns
+    `kv_col`..+HEAD_DIM of the copy viewed as [rows, num_kv_heads * head_dim])."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    for start in range(lo, hi, BLOCK_N):
-        n = start + offs_n                                               # [BLOCK_N] key positions
-        # key position -> cache slot through the block table (blocks need not be contiguous)
-        if MASKED:
-            n_ok = n < hi
-            page = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    n = start + offs_n                                                   # [BLOCK_N] key positions
+    n_ok = n < hi
+    if KV_MODE == 2:
+        k = k_desc.load([start, kv_col])                                 # [BLOCK_N, D]
+        v = v_desc.load([start, kv_col])
+    else:
+        if KV_MODE == 0:
+            # key position -> cache slot through the block table (blocks need not be contiguous)
+            if MASKED:
+                page = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+            else:
+                page = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
+            in_block = n % BLOCK_SIZE
+            k_ptrs = k_base + page[:, None] * stride_kb + in_block[:, None] * stride_ks + offs_d[None, :]
+            v_ptrs = v_base + page[:, None] * stride_vb + in_block[:, None] * stride_vs + offs_d[None, :]
         else:
-            page = tl.load(bt_row + n // BLOCK_SIZE).to(tl.int64)
-        in_block = n % BLOCK_SIZE
-        k_ptrs = k_base + page[:, None] * stride_kb + in_block[:, None] * stride_ks + offs_d[None, :]
-        v_ptrs = v_base + page[:, None] * stride_vb + in_block[:, None] * stride_vs + offs_d[None, :]
+            k_ptrs = k_base + n[:, None].to(tl.int64) * stride_ks + offs_d[None, :]
+            v_ptrs = v_base + n[:, None].to(tl.int64) * stride_vs + offs_d[None, :]
         if MASKED:
             k = tl.load(k_ptrs, mask=n_ok[:, None], other=0.0)           # [BLOCK_N, D]
             v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * qk_scale   # [M, BLOCK_N]
-        if MASKED:
-            visible = (n[None, :] <= pos_m[:, None]) & n_ok[None, :]
-            qk = tl.where(visible, qk, float("-inf"))
-        # Every line sees key 0 in the first block it processes (positions >= 0), so m_new is
-        # finite from the first iteration on and no exp2(-inf - -inf) NaN can appear.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
-        m_i = m_new
+    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * qk_scale   # [M, BLOCK_N]
+    if MASKED:
+        visible = (n[None, :] <= pos_m[:, None]) & n_ok[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+    # Every line sees key 0 in the first block it processes (positions >= 0), so m_new is
+    # finite from the first iteration on and no exp2(-inf - -inf) NaN can appear.
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_keys(
+    acc, m_i, l_i,                 # running state: [M, D] fp32, [M] fp32, [M] fp32
+    q,                             # [M, D] query lines, input dtype
+    pos_m,                         # [M] int32, absolute position of each line
+    k_base, v_base,                # cache (or gathered copy) pointers, already offset to this KV head
+    bt_row,                        # pointer to this sequence's block-table row (KV_MODE 0)
+    k_desc, v_desc, kv_col,        # TMA descriptors and this KV head's first column (KV_MODE 2)
+    lo, hi,                        # key range [lo, hi); lo a multiple of BLOCK_N
+    stride_kb, stride_ks, stride_vb, stride_vs,
+    qk_scale,                      # softmax scale * log2(e)
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr, KV_MODE: tl.constexpr, PREC: tl.constexpr,
+):
+    if KV_MODE == 2 and not MASKED:
+        # Hopper: TMA loads leave the warps free, and warp specialisation overlaps them with the MMAs
+        for start in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
+            acc, m_i, l_i = _key_block(start, acc, m_i, l_i, q, pos_m, k_base, v_base, bt_row, k_desc, v_desc,
+                                       kv_col, hi, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                                       BLOCK_SIZE, BLOCK_N, HEAD_DIM, MASKED, KV_MODE, PREC)
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            acc, m_i, l_i = _key_block(start, acc, m_i, l_i, q, pos_m, k_base, v_base, bt_row, k_desc, v_desc,
+                                       kv_col, hi, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                                       BLOCK_SIZE, BLOCK_N, HEAD_DIM, MASKED, KV_MODE, PREC)
     return acc, m_i, l_i
 
 
@@ -90,8 +122,10 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
+    k_desc, v_desc,                # KV_MODE 2: TMA descriptors over the gathered copy
+    rows_per_seq,                  # KV_MODE 1/2: rows of the gathered copy per sequence
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, KV_MODE: tl.constexpr,
 ):
     ROWS: tl.constexpr = BLOCK_M // G            # query rows per tile
     kvh = tl.program_id(0)
@@ -132,15 +166,28 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    k_base = k_cache + kvh * stride_kh
-    v_base = v_cache + kvh * stride_vh
     bt_row = block_tables + s * stride_bt
-    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos_m, k_base, v_base, bt_row, 0, full_end,
+    key_row0 = s.to(tl.int64) * rows_per_seq           # the sequence's key 0 in a gathered copy
+    if KV_MODE == 0:
+        k_base = k_cache + kvh * stride_kh
+        v_base = v_cache + kvh * stride_vh
+    else:
+        k_base = k_cache + key_row0 * stride_ks + kvh * stride_kh
+        v_base = v_cache + key_row0 * stride_vs + kvh * stride_vh
+    # KV_MODE 2 addresses rows of the whole copy: the range is shifted by the sequence's first row
+    # (a multiple of BLOCK_N is not needed: TMA takes any row offset)
+    if KV_MODE == 2:
+        shift = key_row0.to(tl.int32)
+    else:
+        shift = 0
+    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos_m + shift, k_base, v_base, bt_row, k_desc, v_desc,
+                                 kvh * HEAD_DIM, shift, shift + full_end,
                                  stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                                 BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, PREC)
-    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos_m, k_base, v_base, bt_row, full_end, kv_end,
+                                 BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, KV_MODE, PREC)
+    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos_m + shift, k_base, v_base, bt_row, k_desc, v_desc,
+                                 kvh * HEAD_DIM, shift + full_end, shift + kv_end,
                                  stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                                 BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, PREC)
+                                 BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, KV_MODE, PREC)
     out = acc / l_i[:, None]
     tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=line_ok[:, None])
@@ -180,12 +227,12 @@ def _decode_kernel(
     k_base = k_cache + kvh * stride_kh
     v_base = v_cache + kvh * stride_vh
     bt_row = block_tables + s * stride_bt
-    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos_m, k_base, v_base, bt_row, lo, full_end,
-                                 stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                                 BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, PREC)
-    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos_m, k_base, v_base, bt_row, full_end, hi,
-                                 stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                                 BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, PREC)
+    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos_m, k_base, v_base, bt_row, k_cache, v_cache, 0,
+                                 lo, full_end, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                                 BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, 0, PREC)
+    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos_m, k_base, v_base, bt_row, k_cache, v_cache, 0,
+                                 full_end, hi, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                                 BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, 0, PREC)
     if not SPLIT:
         tl.store(out_ptr + s.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
@@ -254,14 +301,16 @@ def _num_sms(device: torch.device) -> int:
 _DOT_PRECISION = "tf32"
 
 
-def _prefill_config(head_dim: int, dtype: torch.dtype, group: int) -> dict:
+def _prefill_config(head_dim: int, dtype: torch.dtype, group: int, gathered: bool = False) -> dict:
     if dtype == torch.float32 or head_dim > 128:
         cfg = dict(block_m=64, block_n=32, num_warps=4, num_stages=2)   # fp32 tiles are twice the bytes
     elif head_dim <= 64:
         cfg = dict(block_m=128, block_n=64, num_warps=4, num_stages=3)
     else:
-        # best (or within 3%) of 9 configs swept on the H200 at 2k-32k, bf16 (benchmarks/gpu_kernels.py --sweep)
-        cfg = dict(block_m=128, block_n=128, num_warps=8, num_stages=2)
+        # best (or within 3%) of 9 configs swept on the H200 at 2k-32k, bf16 (benchmarks/gpu_kernels.py
+        # --sweep); from a gathered copy a third stage pays (0.254 -> 0.200 ms at 8k sparse rows), from
+        # the paged cache it did not (0.287 -> 0.290)
+        cfg = dict(block_m=128, block_n=128, num_warps=8, num_stages=3 if gathered else 2)
     cfg["block_m"] = max(cfg["block_m"], triton.next_power_of_2(group))  # at least one row per tile
     return cfg
 
@@ -275,6 +324,55 @@ def _check_shapes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return num_heads, num_kv_heads, head_dim
 
 
+# The paged loads (a block-table lookup and a gather per 16-key block) cost about a quarter of the
+# sparse-row kernel's time: measured on the H200 (Llama-3-8B attention shape, bf16, 15% of the rows),
+# the same kernel reading a contiguous copy of the keys through TMA took 0.200 ms instead of 0.292 at
+# 8k keys and 2.62 ms instead of 3.54 at 32k, and making the copy 0.034 / 0.085 ms a layer. The copy
+# is paid per key and the gain per (row, key), so it pays from ~470 query rows at both lengths.
+GATHER_MIN_ROWS = 512
+
+
+def gather_pays(md: AttentionMetadata, num_rows: int, block_size: int) -> bool:
+    """Host ints only: do the step's rows attend to enough keys for a contiguous copy of every
+    sequence's keys (`num_seqs x max_blocks` blocks) to cost less than it saves? The gain grows with
+    (rows x keys) of each sequence, the copy's cost with the keys copied."""
+    if num_rows < GATHER_MIN_ROWS:
+        return False
+    copied = md.num_seqs * md.block_tables.shape[1] * block_size
+    cu = md.cu_seqlens_q_cpu
+    pairs = sum((cu[s + 1] - cu[s]) * n for s, n in enumerate(md.seq_lens_cpu))
+    return pairs >= GATHER_MIN_ROWS * copied
+
+
+@functools.cache
+def _tma_ok(device: torch.device) -> bool:
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _gathered_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata):
+    """Every sequence's keys and values, contiguous: [num_seqs * max_blocks * block_size, KVH, D] each;
+    sequence s's key at position p is row s * max_blocks * block_size + p (padding blocks of the table
+    point at block 0: copied, never read)."""
+    if not isinstance(md.backend_plan, _GatherPlan):
+        md.backend_plan = _GatherPlan(md.block_tables.reshape(-1).long())
+    idx = md.backend_plan.blocks
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    return k_cache[idx].view(-1, kvh, d), v_cache[idx].view(-1, kvh, d)
+
+
+class _GatherPlan:
+    """The Triton backend's per-step precomputation (AttentionMetadata.backend_plan): which blocks
+    make up the gathered copy, reused by every layer of the step."""
+    def __init__(self, blocks: torch.Tensor):
+        self.blocks = blocks                      # [num_seqs * max_blocks] int64
+
+
 def prefill_attention(
     query: torch.Tensor,            # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,          # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -282,6 +380,7 @@ def prefill_attention(
     md: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,
+    gather: bool | None = None,     # read a contiguous copy of the keys; None: when it pays (gather_pays)
     **config,                       # block_m, block_n, num_warps, num_stages (benchmark sweeps)
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
     num_heads, num_kv_heads, head_dim = _check_shapes(query, k_cache, v_cache)
@@ -290,20 +389,36 @@ def prefill_attention(
     num_tokens = query.shape[0]
     if num_tokens == 0:
         return out
-    cfg = _prefill_config(head_dim, query.dtype, group) | config
+    if gather is None:
+        gather = query.is_cuda and gather_pays(md, num_tokens, k_cache.shape[1])
+    cfg = _prefill_config(head_dim, query.dtype, group, gather) | config
     rows = cfg["block_m"] // group
     # upper bound on tiles from host ints only: sum_s cdiv(q_len_s, rows) <= num_tokens // rows + num_seqs
     grid = (num_kv_heads, num_tokens // rows + md.num_seqs)
+    kv_mode, k_src, v_src, k_desc, v_desc, rows_per_seq = 0, k_cache, v_cache, k_cache, v_cache, 0
+    k_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))   # (block, slot, head)
+    v_strides = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    if gather:
+        k_src, v_src = _gathered_kv(k_cache, v_cache, md)                # [rows, KVH, D]
+        rows_per_seq = md.block_tables.shape[1] * k_cache.shape[1]
+        k_strides = (0, k_src.stride(0), k_src.stride(1))                 # (unused, row, head)
+        v_strides = (0, v_src.stride(0), v_src.stride(1))
+        kv_mode = 1
+        if _tma_ok(query.device):
+            from triton.tools.tensor_descriptor import TensorDescriptor
+            k_desc = TensorDescriptor.from_tensor(k_src.view(k_src.shape[0], -1), [cfg["block_n"], head_dim])
+            v_desc = TensorDescriptor.from_tensor(v_src.view(v_src.shape[0], -1), [cfg["block_n"], head_dim])
+            kv_mode = 2
     _prefill_kernel[grid](
-        query, k_cache, v_cache, out,
+        query, k_src, v_src, out,
         md.positions, md.cu_seqlens_q, md.seq_lens, md.block_tables,
         md.num_seqs, scale * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *k_strides, *v_strides,
         md.block_tables.stride(0),
+        k_desc, v_desc, rows_per_seq,
         G=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], PREC=_DOT_PRECISION,
+        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], PREC=_DOT_PRECISION, KV_MODE=kv_mode,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
