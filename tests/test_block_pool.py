@@ -152,27 +152,3 @@ def test_prefix_lookup_hashes_only_what_it_needs():
     assert len(b.block_hashes) < 40                       # not all 200: hashing stopped near the miss
     kv.cache_blocks(a, num_exact_tokens=a.num_tokens)
     assert len(a.block_hashes) == 200
-
-
-def test_hashing_ahead_registers_what_hashing_after_the_step_would():
-    """The engine hashes a step's blocks while the forward runs (exact_prefix_len is known from
-    admission); the bookkeeping after it must register exactly the blocks and hashes it registers
-    without that, on the exact and the approximate chain."""
-    def run(ahead: bool, exact: int | None):
-        kv = KVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=True)
-        r = _req("a", list(range(40)))
-        r.reuse = ReuseConfig()                          # accepts approximate KV (approx_prefix is on)
-        assert kv.allocate_slots(r, 40)
-        r.exact_prefix_len = exact                       # set at admission: KV from here on is blended
-        if ahead:
-            kv.hash_ahead(r, 40)
-        r.num_computed_tokens = 40                       # the step ran
-        kv.cache_blocks(r, 40 if exact is None else exact)
-        kv.cache_approx_blocks(r)
-        kv.pool.check_integrity({b.block_id: 1 for b in r.blocks})
-        return {v: b.block_id for v, b in kv.pool.cached.items()}, len(r.block_hashes)
-    plain, _ = run(False, 10)
-    ahead, n_exact = run(True, 10)
-    assert ahead == plain and len(plain) == 10          # 2 exact blocks + 8 on the approximate chain
-    assert n_exact == 2                                 # no exact hash past the exact prefix was made
-    assert run(True, None) == run(False, None) and len(run(True, None)[0]) == 10   # a plain request: all exact

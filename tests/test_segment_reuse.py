@@ -147,6 +147,38 @@ def test_counters_are_exact_and_prefix_plus_segments_work_together(llm_sx, passa
     assert st.segment_cache_hits >= sum(lens) and st.recomputed_tokens >= out.num_recomputed_tokens
 
 
+def test_bookkeeping_is_done_before_the_sampled_token_is_waited_for(llm_sx, passages, monkeypatch):
+    """The blend's segment hits are unlocked, its new segments indexed and its blocks registered on
+    the exact and approximate chains while the forward runs (the step's `overlap`), not after the
+    sampled token: at sampling time the step's bookkeeping is already complete."""
+    eng = llm_sx.llm_engine
+    eng.reset_cache()
+    run_to_completion(eng, _prompt(eng, HEAD, passages[:3], QUESTION), ONE)
+    seen = {}
+    sample = eng.runner._sample
+
+    def spy(reqs, logits, results):
+        req = reqs[0]
+        seen.update(computed=req.num_computed_tokens, prompt=req.num_prompt_tokens,
+                    locked=sum(e.locks for e in eng.segment_index.entries.values()),
+                    entries=len(eng.segment_index), approx=req.num_approx_cached_blocks,
+                    exact_prefix_blocks=req.exact_prefix_len // eng.config.block_size,
+                    hashed=len([b for b in req.blocks if b.block_hash is not None]))
+        return sample(reqs, logits, results)
+    monkeypatch.setattr(eng.runner, "_sample", spy)
+    before = len(eng.segment_index)
+    p = _prompt(eng, HEAD, [passages[2], passages[0], passages[1], passages[3]], QUESTION)
+    out, _ = run_to_completion(eng, p, ONE, reuse={"min_context_tokens": 0})
+    assert out.num_reused_tokens > 0
+    assert seen["computed"] == seen["prompt"]           # the prompt is counted as computed
+    assert seen["locked"] == 0                          # the hits it blended from are unlocked
+    assert seen["entries"] == before + 1                # passages[3], new here, is indexed
+    # every full block is registered: the exact prefix's on the exact chain, the rest on the approximate one
+    full = seen["computed"] // eng.config.block_size
+    assert seen["hashed"] == full and seen["approx"] == full - seen["exact_prefix_blocks"] > 0
+    eng.check_integrity()
+
+
 def test_next_turn_continues_blended_blocks_on_the_approximate_chain(llm_sx, llm_none, passages):
     """A blended turn leaves its blocks on the approximate chain; the next turn of the conversation
     takes them as they are instead of blending its history again. With naive reuse (copies kept in

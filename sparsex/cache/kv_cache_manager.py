@@ -128,21 +128,6 @@ class KVCacheManager:
             self.pool.cache_block(req.blocks[i], req.block_hashes[i], req.blocks[i - 1] if i > 0 else None)
         req.num_exact_cached_blocks = n
 
-    def hash_ahead(self, req: Request, num_tokens_after: int) -> None:
-        """Make the hashes that registering this step's full blocks will need. The engine calls it
-        while the GPU runs the forward (hashes depend on token ids only, and `exact_prefix_len` is
-        set at admission), so the bookkeeping after the forward, which is on the TTFT path, only
-        registers: ~2k blocks of a 32k-token blended prompt cost milliseconds to hash on the host."""
-        if not self.enable_prefix_caching:
-            return
-        n_full = min(num_tokens_after // self.block_size, len(req.blocks))
-        if req.exact_prefix_len is None:
-            self.hash_blocks(req, n_full)
-            return
-        self.hash_blocks(req, min(req.exact_prefix_len, num_tokens_after) // self.block_size)
-        if req.approx_prefix_enabled:
-            self._hash_approx(req, n_full)
-
     def _hash_approx(self, req: Request, n_full: int) -> None:
         """Extend `req.approx_block_hashes`: the chain from block exact_prefix_len // block_size on."""
         bs = self.block_size
