@@ -742,17 +742,30 @@ def section_blend_profile(llm_sx: LLM) -> None:
 
         def timed(*a, **k):
             t = time.perf_counter()
+            marks.setdefault(label + ":enter", t)
             try:
                 return f(*a, **k)
             finally:
-                phases[label] += 1e3 * (time.perf_counter() - t)
+                marks[label + ":exit"] = time.perf_counter()
+                phases[label] += 1e3 * (marks[label + ":exit"] - t)
         setattr(obj, name, timed)
         wrapped.append((obj, name))
+    marks: dict[str, float] = {}
+
+    def timed_request(prompt_, tag: str) -> tuple[float, float, float]:
+        """(TTFT, host time before the first kernel is launched, host time after the sampled token
+        reached the host) of one request, in ms, from the wrapped methods' first entry / last exit."""
+        marks.clear()
+        wall = _ttft(llm_sx, prompt_, tag)[0]
+        t0 = marks["add_request:enter"]
+        return 1e3 * wall, 1e3 * (marks["  model.forward (host):enter"] - t0), \
+            1e3 * (t0 + wall - marks["  sample (host, waits for the GPU):exit"])
     for obj, name, label in ((eng, "add_request", "add_request"), (eng.scheduler, "schedule", "schedule (plan)"),
                              (runner, "execute", "runner.execute"), (b, "_copy_reused", "  blender copy plan"),
                              (b, "_probe", "  probe (host)"), (b, "select", "  select (host)"),
                              (runner.model, "forward", "  model.forward (host)"), (b, "after_step", "after_step"),
-                             (eng.kv, "cache_blocks", "cache_blocks"), (eng.kv, "cache_approx_blocks", "cache_approx_blocks")):
+                             (eng.kv, "cache_blocks", "cache_blocks"), (eng.kv, "cache_approx_blocks", "cache_approx_blocks"),
+                             (runner, "_collect_sample", "  sample (host, waits for the GPU)")):
         wrap(obj, name, label)
     sys_ids, plen, rows, out = rand_ids(40), SIZES["passage_len"], [], []
     for k in sorted({SIZES["passages"][1], SIZES["passages"][-1]}):
@@ -762,23 +775,26 @@ def section_blend_profile(llm_sx: LLM) -> None:
         _ttft(llm_sx, prompt(0, rand_ids(48)), f"bp-prime{k}")
         _ttft(llm_sx, prompt(1, rand_ids(48)), f"bp-warm{k}")
         phases.clear()
-        walls = [_ttft(llm_sx, prompt(r, rand_ids(48)), f"bp{k}-{r}")[0] for r in (2, 3, 4)]
+        timed3 = [timed_request(prompt(r, rand_ids(48)), f"bp{k}-{r}") for r in (2, 3, 4)]
+        walls = [t[0] / 1e3 for t in timed3]
+        lead_ms, tail_ms = statistics.median(t[1] for t in timed3), statistics.median(t[2] for t in timed3)
         host = {key: v / 3 for key, v in phases.items()}
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             _ttft(llm_sx, prompt(5, rand_ids(48)), f"bp{k}-prof")
         tl = _gpu_timeline(prof)
         wall = 1e3 * statistics.median(walls)
-        out.append({"passages": k, "wall_ms": wall, "host_ms": host, "gpu": tl, "kernels_ms": kernel_split(prof),
+        out.append({"passages": k, "wall_ms": wall, "host_lead_ms": lead_ms, "host_tail_ms": tail_ms,
+                    "host_ms": host, "gpu": tl, "kernels_ms": kernel_split(prof),
                     "top_kernels": _top_kernels(prof)})
         log(f"blendprof {k}: {out[-1]}")
-        rows.append([f"{k} x {plen}", f"{wall:.1f}", " / ".join(f"{key.strip()} {v:.1f}" for key, v in host.items()),
+        rows.append([f"{k} x {plen}", f"{wall:.1f}", f"{lead_ms:.1f} / {tail_ms:.1f}", " / ".join(f"{key.strip()} {v:.1f}" for key, v in host.items()),
                      f"{tl.get('span_ms', 0):.1f} / {tl.get('busy_ms', 0):.1f} / {tl.get('idle_ms', 0):.1f}",
                      str(tl.get("largest_gaps", [])[:3])])
     for obj, name in wrapped:
         delattr(obj, name)
     table("Blended prefill: host phases (ms, mean of 3) and the GPU timeline of one profiled request",
-          ["prompt", "TTFT ms", "host phases ms", "GPU span / busy / idle ms", "largest GPU gaps (ms, before, after)"], rows)
+          ["prompt", "TTFT ms", "host before the first kernel / after the sampled token ms", "host phases ms", "GPU span / busy / idle ms", "largest GPU gaps (ms, before, after)"], rows)
     RESULTS["blend_profile"] = out
 
 

@@ -150,22 +150,22 @@ def test_counters_are_exact_and_prefix_plus_segments_work_together(llm_sx, passa
 def test_bookkeeping_is_done_before_the_sampled_token_is_waited_for(llm_sx, passages, monkeypatch):
     """The blend's segment hits are unlocked, its new segments indexed and its blocks registered on
     the exact and approximate chains while the forward runs (the step's `overlap`), not after the
-    sampled token: at sampling time the step's bookkeeping is already complete."""
+    sampled token: when the sampled token is read back, the step's bookkeeping is already complete."""
     eng = llm_sx.llm_engine
     eng.reset_cache()
     run_to_completion(eng, _prompt(eng, HEAD, passages[:3], QUESTION), ONE)
     seen = {}
-    sample = eng.runner._sample
+    collect = eng.runner._collect_sample
 
-    def spy(reqs, logits, results):
+    def spy(reqs, sampled, results):
         req = reqs[0]
         seen.update(computed=req.num_computed_tokens, prompt=req.num_prompt_tokens,
                     locked=sum(e.locks for e in eng.segment_index.entries.values()),
                     entries=len(eng.segment_index), approx=req.num_approx_cached_blocks,
                     exact_prefix_blocks=req.exact_prefix_len // eng.config.block_size,
                     hashed=len([b for b in req.blocks if b.block_hash is not None]))
-        return sample(reqs, logits, results)
-    monkeypatch.setattr(eng.runner, "_sample", spy)
+        return collect(reqs, sampled, results)
+    monkeypatch.setattr(eng.runner, "_collect_sample", spy)
     before = len(eng.segment_index)
     p = _prompt(eng, HEAD, [passages[2], passages[0], passages[1], passages[3]], QUESTION)
     out, _ = run_to_completion(eng, p, ONE, reuse={"min_context_tokens": 0})

@@ -186,9 +186,10 @@ class ModelRunner:
                 self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs,
                                                   self.max_model_len, self.uploader)
             logits = self.decode_graphs.run(step.ids, step.positions, step.slots, step.seq_lens, step.tables)
+            sampled = self._launch_sample(step.sample_reqs, logits.float())
             if overlap is not None:
                 overlap()
-            self._sample(step.sample_reqs, logits.float(), results)
+            self._collect_sample(step.sample_reqs, sampled, results)
             self.timings.forward_s += time.perf_counter() - t0
             return results
 
@@ -216,8 +217,6 @@ class ModelRunner:
             self.blender.prepare(sched, ctx, self)
         t0 = time.perf_counter()
         hidden = self.model(ids_t, md.positions, ctx)                   # [kept_rows, hidden]
-        if overlap is not None:
-            overlap()
         need_positions = self.capture_positions or any(s.request.params.prompt_logprobs is not None
                                                        for s in sched.scheduled)
         # map full-batch row -> row of `hidden` (a device read: only when rows other than the
@@ -265,18 +264,27 @@ class ModelRunner:
                 sample_t = torch.searchsorted(ctx.kept_rows, sample_t)
             sampled_hidden = hidden.index_select(0, sample_t)
             logits = self.model.compute_logits(sampled_hidden).float()    # [num_sampled, vocab]
-            self._sample(step.sample_reqs, logits, results)
+            sampled = self._launch_sample(step.sample_reqs, logits)
+        # the host work of the step (the engine's bookkeeping) runs once every kernel up to the
+        # sampled tokens is launched, while the GPU computes them
+        if overlap is not None:
+            overlap()
+        if step.sample_reqs:
+            self._collect_sample(step.sample_reqs, sampled, results)
         self.timings.forward_s += time.perf_counter() - t0
         return results
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor, results: dict[str, RequestStepResult]) -> None:
-        """Sample one token per request from logits [len(reqs), vocab]; the step's one device->host sync."""
+    def _launch_sample(self, reqs: list[Request], logits: torch.Tensor):
+        """Launch the sampling of one token per request from logits [len(reqs), vocab] (no sync)."""
         batch = SamplingBatch.from_params([r.params for r in reqs], [r.generator for r in reqs], "cpu")
         if self.device.type != "cpu" and not batch.all_greedy:
             # greedy rows only take an argmax; the knob tensors travel only when some row samples
             for name in ("temperature", "top_p", "top_k", "min_p"):
                 setattr(batch, name, getattr(batch, name).to(self.device, non_blocking=True))
-        out = self.sampler(logits, batch)
+        return self.sampler(logits, batch)
+
+    def _collect_sample(self, reqs: list[Request], out, results: dict[str, RequestStepResult]) -> None:
+        """The sampled tokens (and logprobs) to the host: the step's one device->host sync."""
         tokens = out.sampled_token_ids.tolist()
         sampled_lp = out.sampled_logprobs.tolist() if out.sampled_logprobs is not None else None
         top_ids = out.topk_token_ids.tolist() if out.topk_token_ids is not None else None
