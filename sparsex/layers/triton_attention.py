@@ -355,22 +355,42 @@ def _tma_ok(device: torch.device) -> bool:
     return True
 
 
-def _gathered_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata):
-    """Every sequence's keys and values, contiguous: [num_seqs * max_blocks * block_size, KVH, D] each;
-    sequence s's key at position p is row s * max_blocks * block_size + p (padding blocks of the table
-    point at block 0: copied, never read)."""
-    if not isinstance(md.backend_plan, _GatherPlan):
-        md.backend_plan = _GatherPlan(md.block_tables.reshape(-1).long())
-    idx = md.backend_plan.blocks
-    kvh, d = k_cache.shape[2], k_cache.shape[3]
-    return k_cache[idx].view(-1, kvh, d), v_cache[idx].view(-1, kvh, d)
-
-
 class _GatherPlan:
-    """The Triton backend's per-step precomputation (AttentionMetadata.backend_plan): which blocks
-    make up the gathered copy, reused by every layer of the step."""
-    def __init__(self, blocks: torch.Tensor):
-        self.blocks = blocks                      # [num_seqs * max_blocks] int64
+    """The Triton backend's per-step precomputation (AttentionMetadata.backend_plan) for reading a
+    contiguous copy of the keys: which blocks make it up, and one K and one V buffer (with their TMA
+    descriptors) that every layer of the step gathers into, so the descriptors are made once a step
+    and not twice a layer. Reusing the buffers is safe: layer l + 1's gather is queued on the stream
+    after layer l's attention has read them."""
+
+    def __init__(self, md: AttentionMetadata, k_cache: torch.Tensor, block_n: int, tma: bool):
+        self.blocks = md.block_tables.reshape(-1).long()                  # [num_seqs * max_blocks]
+        shape = (self.blocks.numel(), *k_cache.shape[1:])                  # [blocks, block_size, KVH, D]
+        self.key = (k_cache.shape[1:], k_cache.dtype, block_n, tma)
+        self.k = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
+        self.v = torch.empty_like(self.k)
+        self.k_desc = self.v_desc = None
+        if tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+            rows, d = shape[0] * shape[1], shape[3]
+            self.k_desc = TensorDescriptor.from_tensor(self.k.view(rows, -1), [block_n, d])
+            self.v_desc = TensorDescriptor.from_tensor(self.v.view(rows, -1), [block_n, d])
+
+    def gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's keys and values, contiguous: [num_seqs * max_blocks * block_size, KVH, D] each;
+        sequence s's key at position p is row s * max_blocks * block_size + p (padding entries of the
+        block table point at block 0: copied, never read)."""
+        torch.index_select(k_cache, 0, self.blocks, out=self.k)
+        torch.index_select(v_cache, 0, self.blocks, out=self.v)
+        kvh, d = k_cache.shape[2], k_cache.shape[3]
+        return self.k.view(-1, kvh, d), self.v.view(-1, kvh, d)
+
+
+def _gather_plan(md: AttentionMetadata, k_cache: torch.Tensor, block_n: int) -> _GatherPlan:
+    tma = _tma_ok(k_cache.device)
+    plan = md.backend_plan
+    if not isinstance(plan, _GatherPlan) or plan.key != (k_cache.shape[1:], k_cache.dtype, block_n, tma):
+        plan = md.backend_plan = _GatherPlan(md, k_cache, block_n, tma)
+    return plan
 
 
 def prefill_attention(
@@ -399,16 +419,14 @@ def prefill_attention(
     k_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))   # (block, slot, head)
     v_strides = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     if gather:
-        k_src, v_src = _gathered_kv(k_cache, v_cache, md)                # [rows, KVH, D]
+        plan = _gather_plan(md, k_cache, cfg["block_n"])
+        k_src, v_src = plan.gather(k_cache, v_cache)                       # [rows, KVH, D]
         rows_per_seq = md.block_tables.shape[1] * k_cache.shape[1]
         k_strides = (0, k_src.stride(0), k_src.stride(1))                 # (unused, row, head)
         v_strides = (0, v_src.stride(0), v_src.stride(1))
         kv_mode = 1
-        if _tma_ok(query.device):
-            from triton.tools.tensor_descriptor import TensorDescriptor
-            k_desc = TensorDescriptor.from_tensor(k_src.view(k_src.shape[0], -1), [cfg["block_n"], head_dim])
-            v_desc = TensorDescriptor.from_tensor(v_src.view(v_src.shape[0], -1), [cfg["block_n"], head_dim])
-            kv_mode = 2
+        if plan.k_desc is not None:
+            k_desc, v_desc, kv_mode = plan.k_desc, plan.v_desc, 2
     _prefill_kernel[grid](
         query, k_src, v_src, out,
         md.positions, md.cu_seqlens_q, md.seq_lens, md.block_tables,
