@@ -16,6 +16,10 @@ Layout of the work (why it looks like this):
 - Tiles are found without host data: tile t of sequence s is program `cu_q[s] // ROWS + s + t`
   (a binary search over cu_seqlens_q inside the kernel), and the grid is an upper bound built
   from host ints. Programs run last-tile-first, so the longest causal tiles start earliest.
+- Keys come through the block table (16-token pages gathered by pointer), or, when a step's rows
+  are many per key (SparseX's sparse layers, long extends: `gather_pays`), from a contiguous copy of
+  each sequence's keys made once a layer, read through TMA descriptors on Hopper: the paged loads
+  were about a quarter of the sparse-row kernel's time, the copy costs ~1/10 of that saving.
 - Decode (every sequence has exactly one row) splits each sequence's keys across programs
   (split-K) so a few long sequences still fill the GPU, then a small kernel merges the splits by
   their log-sum-exp.
@@ -94,7 +98,7 @@ def _attend_keys(
     k_base, v_base,                # cache (or gathered copy) pointers, already offset to this KV head
     bt_row,                        # pointer to this sequence's block-table row (KV_MODE 0)
     k_desc, v_desc, kv_col,        # TMA descriptors and this KV head's first column (KV_MODE 2)
-    lo, hi,                        # key range [lo, hi); lo a multiple of BLOCK_N
+    lo, hi,                        # key range [lo, hi) (rows of the copy in KV_MODE 2); lo a multiple of BLOCK_N in modes 0/1
     stride_kb, stride_ks, stride_vb, stride_vs,
     qk_scale,                      # softmax scale * log2(e)
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -360,7 +364,8 @@ class _GatherPlan:
     contiguous copy of the keys: which blocks make it up, and one K and one V buffer (with their TMA
     descriptors) that every layer of the step gathers into, so the descriptors are made once a step
     and not twice a layer. Reusing the buffers is safe: layer l + 1's gather is queued on the stream
-    after layer l's attention has read them."""
+    after layer l's attention has read them. Transient memory: 2 x keys x KV heads x head_dim
+    elements for the step (Llama-3-8B, bf16: 4 KiB a key, 128 MiB at 32k keys)."""
 
     def __init__(self, md: AttentionMetadata, k_cache: torch.Tensor, block_n: int, tma: bool):
         self.blocks = md.block_tables.reshape(-1).long()                  # [num_seqs * max_blocks]
