@@ -26,7 +26,7 @@ from sparsex.layers import cpu_kernels
 from sparsex.layers.attention_backend import TorchAttentionBackend
 from sparsex.layers.attention_metadata import AttentionMetadata
 from sparsex.layers.packed_linear import prepack_supported
-from sparsex.layers.sampler import Sampler, SamplingBatch, compute_topk_logprobs, token_logprobs
+from sparsex.layers.sampler import Sampler, SamplerOutput, SamplingBatch, compute_topk_logprobs, token_logprobs
 from sparsex.models.llama import LlamaForCausalLM
 from sparsex.models.loader import LoadedModel
 from sparsex.models.qwen2 import Qwen2ForCausalLM
@@ -274,7 +274,7 @@ class ModelRunner:
         self.timings.forward_s += time.perf_counter() - t0
         return results
 
-    def _launch_sample(self, reqs: list[Request], logits: torch.Tensor):
+    def _launch_sample(self, reqs: list[Request], logits: torch.Tensor) -> SamplerOutput:
         """Launch the sampling of one token per request from logits [len(reqs), vocab] (no sync)."""
         batch = SamplingBatch.from_params([r.params for r in reqs], [r.generator for r in reqs], "cpu")
         if self.device.type != "cpu" and not batch.all_greedy:
@@ -283,7 +283,7 @@ class ModelRunner:
                 setattr(batch, name, getattr(batch, name).to(self.device, non_blocking=True))
         return self.sampler(logits, batch)
 
-    def _collect_sample(self, reqs: list[Request], out, results: dict[str, RequestStepResult]) -> None:
+    def _collect_sample(self, reqs: list[Request], out: SamplerOutput, results: dict[str, RequestStepResult]) -> None:
         """The sampled tokens (and logprobs) to the host: the step's one device->host sync."""
         tokens = out.sampled_token_ids.tolist()
         sampled_lp = out.sampled_logprobs.tolist() if out.sampled_logprobs is not None else None
