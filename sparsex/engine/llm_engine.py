@@ -159,7 +159,10 @@ class LLMEngine:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             touched.append(req)
         if sched.scheduled:
-            results = self.runner.execute(sched, overlap=lambda: self._bookkeep(sched))
+            booked = []
+            results = self.runner.execute(sched, overlap=lambda: booked.append(self._bookkeep(sched)))
+            if not booked:               # every execute path calls it; never count a step twice or not at all
+                self._bookkeep(sched)
             now = time.time()
             for s in sched.scheduled:
                 req = s.request
