@@ -530,7 +530,8 @@ def replay_policy(cfg: WorkloadBenchConfig, policy: Policy, timed: LLMEngine, pl
 
     reuse = policy.overrides
     F = policy.full_layers(flops.num_layers)
-    rescore = policy.knobs().rescore_layers if policy.knobs() is not None else 0
+    knobs = policy.knobs()
+    rescore = knobs.rescore_layers if knobs is not None else 0
     records = []
     for i in _progress(range(len(requests)), f"{cfg.workload}/{policy.name}", cfg.progress):
         req, prompt = requests[i], prompts[i]

@@ -159,10 +159,7 @@ class LLMEngine:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             touched.append(req)
         if sched.scheduled:
-            booked = []
-            results = self.runner.execute(sched, overlap=lambda: booked.append(self._bookkeep(sched)))
-            if not booked:               # every execute path calls it; never count a step twice or not at all
-                self._bookkeep(sched)
+            results = self.runner.execute(sched, overlap=lambda: self._bookkeep(sched))
             now = time.time()
             for s in sched.scheduled:
                 req = s.request

@@ -175,9 +175,10 @@ class ModelRunner:
                    and s.request.num_computed_tokens >= s.request.num_prompt_tokens for s in sched.scheduled)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, overlap: Callable[[], None] | None = None) -> dict[str, RequestStepResult]:
-        """Run one step. `overlap`: host work to do once the forward is launched, before waiting for
-        its results (on the GPU it then costs no time; on the CPU the forward has already run)."""
+    def execute(self, sched: SchedulerOutput, overlap: Callable[[], None]) -> dict[str, RequestStepResult]:
+        """Run one step. `overlap`: host work every step needs (the engine's bookkeeping), called
+        exactly once, when every kernel up to the sampled tokens is launched and before they are
+        read back (on the GPU it then costs no time; on the CPU the forward has already run)."""
         step = self._host_inputs(sched)
         results: dict[str, RequestStepResult] = {s.request.request_id: RequestStepResult() for s in sched.scheduled}
         if self._graph_ok(sched):
@@ -187,8 +188,7 @@ class ModelRunner:
                                                   self.max_model_len, self.uploader)
             logits = self.decode_graphs.run(step.ids, step.positions, step.slots, step.seq_lens, step.tables)
             sampled = self._launch_sample(step.sample_reqs, logits.float())
-            if overlap is not None:
-                overlap()
+            overlap()
             self._collect_sample(step.sample_reqs, sampled, results)
             self.timings.forward_s += time.perf_counter() - t0
             return results
@@ -265,10 +265,7 @@ class ModelRunner:
             sampled_hidden = hidden.index_select(0, sample_t)
             logits = self.model.compute_logits(sampled_hidden).float()    # [num_sampled, vocab]
             sampled = self._launch_sample(step.sample_reqs, logits)
-        # the host work of the step (the engine's bookkeeping) runs once every kernel up to the
-        # sampled tokens is launched, while the GPU computes them
-        if overlap is not None:
-            overlap()
+        overlap()                       # while the GPU computes the sampled tokens
         if step.sample_reqs:
             self._collect_sample(step.sample_reqs, sampled, results)
         self.timings.forward_s += time.perf_counter() - t0

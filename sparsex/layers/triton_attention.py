@@ -369,6 +369,7 @@ class _GatherPlan:
 
     def __init__(self, md: AttentionMetadata, k_cache: torch.Tensor, block_n: int, tma: bool):
         self.blocks = md.block_tables.reshape(-1).long()                  # [num_seqs * max_blocks]
+        self.rows_per_seq = md.block_tables.shape[1] * k_cache.shape[1]     # sequence s starts at row s * this
         shape = (self.blocks.numel(), *k_cache.shape[1:])                  # [blocks, block_size, KVH, D]
         self.key = (k_cache.shape[1:], k_cache.dtype, block_n, tma)
         self.k = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
@@ -426,7 +427,7 @@ def prefill_attention(
     if gather:
         plan = _gather_plan(md, k_cache, cfg["block_n"])
         k_src, v_src = plan.gather(k_cache, v_cache)                       # [rows, KVH, D]
-        rows_per_seq = md.block_tables.shape[1] * k_cache.shape[1]
+        rows_per_seq = plan.rows_per_seq
         k_strides = (0, k_src.stride(0), k_src.stride(1))                 # (unused, row, head)
         v_strides = (0, v_src.stride(0), v_src.stride(1))
         kv_mode = 1
