@@ -54,6 +54,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from sparsex.bench import stats
+
 if TYPE_CHECKING:       # heavy imports (torch) stay out of `sparsex --help`
     from sparsex.bench.policies import Policy
     from sparsex.bench.workloads import Request
@@ -223,6 +225,15 @@ class PolicySummary:
     f1: float | None
     em: float | None
     twin_mismatches: int
+    # 95% bootstrap intervals over the fidelity requests (sparsex.bench.stats); None below 2 requests
+    top1_low: float | None = None
+    top1_high: float | None = None
+    kl_low: float | None = None
+    kl_high: float | None = None
+    # paired over the same requests: this policy's KL minus the engine default's (`sparsex`), when it ran
+    kl_minus_sparsex: float | None = None
+    kl_minus_sparsex_low: float | None = None
+    kl_minus_sparsex_high: float | None = None
 
 
 # ============================================================================ prefill work
@@ -703,6 +714,7 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
     base = next((s for s in summaries if s.policy == "none"), None)
     for s in summaries:
         s.ttft_speedup = (base.ttft_mean_ms / s.ttft_mean_ms) if base and s.ttft_mean_ms > 0 else None
+    compare_to_default(summaries, records)
     env.update(wall_seconds=round(time.time() - t_start, 1), load_avg_end=_loadavg(), num_blocks=num_blocks,
                workload_blocks=whole, num_requests=len(requests), fidelity_requests=sum(fid),
                prewarm_prompts=len(w.warm_prompts))
@@ -752,7 +764,35 @@ def summarize(workload: str, policy: Policy, recs: list[RequestRecord], flops: F
         match_len=_mean([r.match_len for r in fr]), f1=_mean([r.f1 for r in scored]),
         em=_mean([r.em for r in scored]),
         twin_mismatches=sum(1 for r in recs if r.twin_match is False),
+        **_fidelity_intervals(fr),
     )
+
+
+def _fidelity_intervals(fr: list[RequestRecord]) -> dict:
+    if len(fr) < 2:
+        return {}
+    top1 = stats.bootstrap_mean([r.top1 for r in fr])
+    kl = stats.bootstrap_mean([r.kl for r in fr])
+    return dict(top1_low=top1.low, top1_high=top1.high, kl_low=kl.low, kl_high=kl.high)
+
+
+def compare_to_default(summaries: list[PolicySummary], records: list[RequestRecord]) -> None:
+    """Fill every summary's paired KL difference against `sparsex` (the engine default), over the
+    fidelity requests both measured."""
+    kl = {}
+    for r in records:
+        if r.fidelity and r.kl is not None:
+            kl.setdefault(r.policy, {})[r.index] = r.kl
+    ref = kl.get("sparsex")
+    if not ref:
+        return
+    for s in summaries:
+        mine = kl.get(s.policy, {})
+        common = sorted(set(mine) & set(ref))
+        if s.policy == "sparsex" or len(common) < 2:
+            continue
+        d = stats.paired_difference([mine[i] for i in common], [ref[i] for i in common])
+        s.kl_minus_sparsex, s.kl_minus_sparsex_low, s.kl_minus_sparsex_high = d.mean, d.low, d.high
 
 
 def _fmt(v: Any, spec: str, scale: float = 1.0) -> str:
@@ -779,6 +819,23 @@ def summary_markdown(summaries: list[PolicySummary], fidelity_tokens: int) -> st
         if rag:
             row += [_fmt(s.f1, ".3f"), _fmt(s.em, ".3f")]
         lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def fidelity_markdown(summaries: list[PolicySummary]) -> str:
+    """The fidelity columns again with their 95% intervals (bootstrap over requests), and each
+    policy's KL against the default's on the same requests (paired): with a few dozen requests the
+    interval, not the mean, says whether two policies differ."""
+    rows = [s for s in summaries if s.top1_low is not None]
+    if not rows:
+        return ""
+    lines = ["| policy | requests | top-1 [95% CI] | KL [95% CI] | KL − sparsex, paired [95% CI] |",
+             "|---|---|---|---|---|"]
+    for s in rows:
+        diff = "—" if s.kl_minus_sparsex is None else (
+            f"{s.kl_minus_sparsex:+.4f} [{s.kl_minus_sparsex_low:+.4f}, {s.kl_minus_sparsex_high:+.4f}]")
+        lines.append(f"| {s.policy} | {s.fidelity_requests} | {s.top1:.1%} [{s.top1_low:.1%}, {s.top1_high:.1%}] | "
+                     f"{_fmt(s.kl, '.4f')} [{_fmt(s.kl_low, '.4f')}, {_fmt(s.kl_high, '.4f')}] | {diff} |")
     return "\n".join(lines) + "\n"
 
 
@@ -811,6 +868,9 @@ def write_outputs(out: str, cfg: WorkloadBenchConfig, policies: list[Policy], re
                 f"{env['torch_threads']} thread(s), {env['cpu']}, load {env['load_avg_start']:.1f}→"
                 f"{env['load_avg_end']:.1f}\n\n")
         f.write(summary_markdown(summaries, cfg.fidelity_tokens))
+        fid = fidelity_markdown(summaries)
+        if fid:
+            f.write("\nFidelity with 95% intervals (bootstrap over requests; sparsex.bench.stats):\n\n" + fid)
 
 
 def _jsonable(x: Any) -> Any:
@@ -858,7 +918,8 @@ def _pareto(points: list[tuple[float, float]], better_low: bool) -> list[tuple[f
 
 def plot_pareto(summaries: list[PolicySummary], path: str, cfg: WorkloadBenchConfig, env: dict) -> None:
     """Fidelity (KL, top-1) against mean TTFT and, because TTFT on a shared CPU is noisy, against
-    the deterministic prefill compute share too; grey steps: the Pareto front of all points."""
+    the deterministic prefill compute share too; grey steps: the Pareto front of all points; bars: the
+    named policies' 95% intervals over requests."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -886,8 +947,12 @@ def plot_pareto(summaries: list[PolicySummary], path: str, cfg: WorkloadBenchCon
                            color=f_colors[f], s=20, zorder=2, alpha=0.85,
                            label=f"sweep F={f} ({'boundary' if f == 0 else 'default selector'})")
             for s in named:
-                ax.scatter(getattr(s, xkey) * xscale, getattr(s, ykey), color=colors[s.policy], s=70, marker="D",
-                           edgecolor="black", lw=0.5, zorder=3, label=s.policy)
+                x, y = getattr(s, xkey) * xscale, getattr(s, ykey)
+                lo, hi = getattr(s, ykey + "_low"), getattr(s, ykey + "_high")
+                if lo is not None:          # the 95% interval over requests
+                    ax.errorbar(x, y, yerr=[[y - lo], [hi - y]], color=colors[s.policy], lw=0.8, capsize=2, zorder=2)
+                ax.scatter(x, y, color=colors[s.policy], s=70, marker="D", edgecolor="black", lw=0.5, zorder=3,
+                           label=s.policy)
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             if low:
@@ -1226,6 +1291,7 @@ def run_workload_bench_cli(args: argparse.Namespace) -> int:
         return run_peer(cfg, args.peer_python)
     summaries = run_workload_bench(cfg)
     print(summary_markdown(summaries, cfg.fidelity_tokens), end="")
+    print(fidelity_markdown(summaries), end="")
     print(f"outputs: {cfg.out}/ (requests.json/.csv, summary.json/.csv/.md); plots: {cfg.plot_dir or cfg.out}/")
     return 0
 

@@ -1,0 +1,96 @@
+"""Bootstrap intervals of the workload benchmark (sparsex.bench.stats) on samples with known answers,
+and the paired comparison the summary prints against the engine default."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparsex.bench import stats
+from sparsex.bench import workload_bench as wb
+from sparsex.bench.policies import parse_policies
+
+
+def test_constant_sample_has_a_point_interval() -> None:
+    ci = stats.bootstrap_mean([0.25] * 7)
+    assert (ci.mean, ci.low, ci.high) == (0.25, 0.25, 0.25)
+
+
+def test_interval_brackets_the_mean_and_narrows_with_more_data() -> None:
+    rng = np.random.default_rng(1)
+    small, large = rng.exponential(0.01, 16), rng.exponential(0.01, 400)
+    a, b = stats.bootstrap_mean(small), stats.bootstrap_mean(large)
+    assert small.min() <= a.low < a.mean < a.high <= small.max()
+    assert a.mean == pytest.approx(small.mean())
+    assert (b.high - b.low) < (a.high - a.low) / 3          # ~ 1/sqrt(n): 5x narrower at 25x the data
+    assert stats.bootstrap_mean(small, seed=3) == stats.bootstrap_mean(small, seed=3)    # deterministic
+    wide = stats.bootstrap_mean(small, confidence=0.99)
+    assert wide.low <= a.low and wide.high >= a.high
+
+
+def test_coverage_of_a_known_mean() -> None:
+    # 95% intervals of 30 normal draws hold the true mean about 95% of the time (percentile bootstrap
+    # runs a little narrow at this size)
+    rng = np.random.default_rng(7)
+    hits = sum(stats.bootstrap_mean(rng.normal(2.0, 1.0, 30), num_resamples=2000, seed=i).contains(2.0)
+               for i in range(300))
+    assert 0.88 <= hits / 300 <= 0.99
+
+
+def test_paired_difference_removes_the_spread_between_requests() -> None:
+    rng = np.random.default_rng(2)
+    base = rng.exponential(0.02, 24)                       # requests differ a lot
+    other = base + 0.001 + rng.normal(0, 1e-4, 24)         # one policy a little worse on every request
+    d = stats.paired_difference(other, base)
+    assert d.low > 0 and d.mean == pytest.approx(0.001, abs=1e-4)
+    unpaired_a, unpaired_b = stats.bootstrap_mean(other), stats.bootstrap_mean(base)
+    assert unpaired_a.low < unpaired_b.high                  # unpaired, the intervals overlap
+    shift = stats.paired_difference([x + 1.0 for x in base], base)
+    assert shift.low == pytest.approx(1.0) and shift.high == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(values=[]), "non-empty"),
+    (dict(values=[[0.1, 0.2]]), "1-d"),
+    (dict(values=[0.1, float("nan")]), "non-finite"),
+    (dict(values=[0.1], confidence=1.0), "confidence"),
+    (dict(values=[0.1], confidence=0.0), "confidence"),
+    (dict(values=[0.1], num_resamples=0), "num_resamples"),
+])
+def test_bad_samples_raise(kwargs, needle) -> None:
+    with pytest.raises(ValueError, match=needle):
+        stats.bootstrap_mean(**kwargs)
+
+
+def test_paired_samples_must_match() -> None:
+    with pytest.raises(ValueError, match="same length"):
+        stats.paired_difference([0.1, 0.2], [0.1])
+
+
+def _record(policy: str, index: int, kl: float, top1: float) -> wb.RequestRecord:
+    return wb.RequestRecord(workload="rag", policy=policy, index=index, request_id=f"rag-{index}",
+                            prompt_tokens=100, cached_tokens=0, reused_tokens=0, recomputed_tokens=0,
+                            computed_tokens=100, token_layers=3000.0, prefill_gflops=1.0, ttft_s=0.1,
+                            selection_ms=0.0, segment_lookup_tokens=0, segment_hit_tokens=0, fidelity=True,
+                            top1=top1, kl=kl, match_len=4)
+
+
+def test_summary_compares_every_policy_to_the_default_on_the_same_requests() -> None:
+    kl_default = [0.01, 0.03, 0.002, 0.02, 0.005]
+    recs = [_record("sparsex", i, kl, 0.9) for i, kl in enumerate(kl_default)]
+    recs += [_record("cacheblend", i, kl + 0.004, 0.8) for i, kl in enumerate(kl_default)]
+    recs += [_record("naive", 0, 0.05, 0.5)]                # one fidelity request: no interval
+    fm = wb.FlopModel(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
+                      vocab=49152)
+    summaries = [wb.summarize("rag", p, [r for r in recs if r.policy == p.name], fm)
+                 for p in parse_policies("sparsex,cacheblend,naive")]
+    wb.compare_to_default(summaries, recs)
+    by = {s.policy: s for s in summaries}
+    cb = by["cacheblend"]
+    assert cb.kl_minus_sparsex == pytest.approx(0.004)
+    assert cb.kl_minus_sparsex_low == pytest.approx(0.004) and cb.kl_minus_sparsex_high == pytest.approx(0.004)
+    assert by["sparsex"].kl_minus_sparsex is None and by["naive"].kl_minus_sparsex is None
+    assert by["sparsex"].kl_low < by["sparsex"].kl < by["sparsex"].kl_high
+    assert by["naive"].kl_low is None
+    table = wb.fidelity_markdown(summaries)
+    assert "| cacheblend | 5 |" in table and "+0.0040 [+0.0040, +0.0040]" in table
+    assert "| naive |" not in table
