@@ -23,22 +23,15 @@ class Interval:
     low: float
     high: float
 
-    def contains(self, x: float) -> bool:
-        return self.low <= x <= self.high
-
-
-def _check(confidence: float, num_resamples: int) -> None:
-    if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
-    if num_resamples < 1:
-        raise ValueError(f"num_resamples must be >= 1, got {num_resamples}")
-
 
 def bootstrap_mean(values: Sequence[float], confidence: float = 0.95, num_resamples: int = 10_000,
                    seed: int = 0) -> Interval:
     """The mean of `values` and its percentile-bootstrap interval (resampling the values, each
     resample as large as the sample). Deterministic given `seed`."""
-    _check(confidence, num_resamples)
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    if num_resamples < 1:
+        raise ValueError(f"num_resamples must be >= 1, got {num_resamples}")
     x = np.asarray(values, dtype=np.float64)
     if x.ndim != 1 or x.size == 0:
         raise ValueError(f"need a non-empty 1-d sample, got shape {x.shape}")
