@@ -618,6 +618,9 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM,
         for vi, (label, rv) in enumerate(variants):
             reuse = dataclasses.replace(llm_sx.config.reuse, **(rv or {}))
             v0 = 100 * vi           # this variant's orders
+            # one untimed blended request first: the first blend of a process compiles the blend's
+            # kernels (seconds), which would otherwise be one of the interleaved replay's three samples
+            _ttft(llm_sx, prompt(v0 + 11, rand_ids(48)), f"s{k}-warm-{label}", reuse=rv)
             t = {"none": [], "prefix": [], "sparsex": []}
             splits, host = [], []
             for r in (1, 2, 3):
@@ -768,7 +771,7 @@ def section_blend_profile(llm_sx: LLM) -> None:
                              (runner, "_collect_sample", "  sample (host, waits for the GPU)")):
         wrap(obj, name, label)
     sys_ids, plen, rows, out = rand_ids(40), SIZES["passage_len"], [], []
-    for k in sorted({SIZES["passages"][1], SIZES["passages"][-1]}):
+    for k in sorted({SIZES["passages"][min(1, len(SIZES["passages"]) - 1)], SIZES["passages"][-1]}):
         passages = [rand_ids(plen) for _ in range(k)]
         prompt = lambda r, q: {"segments": [sys_ids] + [passages[(i + r) % k] for i in range(k)] + [q]}
         llm_sx.reset_cache()
@@ -918,7 +921,16 @@ def _dry_run_setup() -> None:
 def _parse_variants(text: str) -> list[tuple[str, dict]]:
     """'a=1,b=0.5;c=2' -> [("a=1,b=0.5", {"a": 1, "b": 0.5}), ("c=2", {"c": 2})], each value typed
     as its ReuseConfig field."""
-    return [(spec, dict(parse_knob(item.strip(), spec) for item in spec.split(",")))
+    def knob(item: str, spec: str) -> tuple[str, object]:
+        name, _, value = item.partition("=")
+        if name in ("full_layers", "boundary_tokens"):      # the policy string's positional fields
+            return name, int(value)
+        if name == "recompute_ratio":
+            return name, float(value)
+        if name == "selector":
+            return name, value
+        return parse_knob(item, spec)
+    return [(spec, dict(knob(item.strip(), spec) for item in spec.split(",")))
             for spec in filter(None, (x.strip() for x in text.split(";")))]
 
 
@@ -934,8 +946,12 @@ def main() -> None:
     ap.add_argument("--variants", default="",
                     help="blend section: more sparsex knob sets, each replayed like the default, e.g. "
                          "'rescore_layers=2,candidate_ratio=0.5;recompute_ratio=0.2'")
+    ap.add_argument("--passages", default="",
+                    help="blend section: passages per prompt, e.g. '16' or '16,64' (default: 8,16,32,64)")
     args = ap.parse_args()
     GC_FREEZE = args.gc_freeze
+    if args.passages:
+        SIZES["passages"] = tuple(int(x) for x in args.passages.split(","))
     if args.dry_run:
         _dry_run_setup()
     OUT = args.out

@@ -33,7 +33,7 @@ from sparsex.layers.attention_metadata import AttentionMetadata  # noqa: E402
 from sparsex.layers.triton_attention import (  # noqa: E402
     TritonAttentionBackend, _decode_kernel, _prefill_config, _prefill_kernel, decode_attention, prefill_attention,
 )
-from sparsex.layers.triton_rerotate import copy_and_rerotate, copy_and_rerotate_torch  # noqa: E402
+from sparsex.layers.triton_rerotate import LayerPointers, copy_and_rerotate_layers, copy_and_rerotate_torch  # noqa: E402
 
 H, HKV, D, BS = 32, 8, 128, 16
 DT = torch.bfloat16
@@ -282,6 +282,10 @@ def copy_cases() -> None:
     delta = torch.randint(-20000, 20000, (n,), device=DEV)
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device=DEV).float() / D))
     nbytes = 4.0 * n * HKV * D * 2                                          # K, V read + written
+    one_layer = LayerPointers([(kc, vc)])
+
+    def copy_and_rerotate(k_cache, v_cache, *plan):        # the engine's kernel on this one layer
+        copy_and_rerotate_layers(one_layer, *plan)
     k2, v2 = kc.clone(), vc.clone()
     copy_and_rerotate(kc, vc, src[0], dst[0], delta, inv_freq)
     copy_and_rerotate_torch(k2, v2, src[0], dst[0], delta, inv_freq)

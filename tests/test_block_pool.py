@@ -152,3 +152,22 @@ def test_prefix_lookup_hashes_only_what_it_needs():
     assert len(b.block_hashes) < 40                       # not all 200: hashing stopped near the miss
     kv.cache_blocks(a, num_exact_tokens=a.num_tokens)
     assert len(a.block_hashes) == 200
+
+
+@pytest.mark.parametrize("salt,approximate", [(None, False), ("tenant-a", False), ("tenant-a", True)])
+def test_block_hash_values_follow_the_documented_input(salt, approximate):
+    """The digest of a block is xxh3-128 over (domain, parent digest, int64 token bytes, each extra
+    key's repr + NUL): recomputed here by hand, so a faster hashing loop cannot change the values
+    (or the verification bytes) that cached blocks are found by."""
+    import numpy as np
+    import xxhash
+    tokens = [(104729 * i) % 49_152 for i in range(16 * 3)]
+    got = bh.compute_block_hashes(tokens, 16, salt, approximate=approximate)
+    parent = b"\x00" * 16
+    for i, h in enumerate(got):
+        extra = ((("cache_salt", salt),) if (i == 0 and salt is not None) else ()) + \
+            ((("kv", "blended"),) if approximate else ())
+        raw = np.asarray(tokens[16 * i:16 * i + 16], dtype=np.int64).tobytes()
+        parent = xxhash.xxh3_128_digest(b"sparsex/prefix-block/v1\x00" + parent + raw
+                                        + b"".join(repr(k).encode() + b"\x00" for k in extra))
+        assert h.value == parent and h.token_bytes == raw and h.extra_keys == extra

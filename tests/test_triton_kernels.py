@@ -286,10 +286,42 @@ def test_rerotate_torch_round_trip_and_in_place():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,rot_dim", [(64, 64), (128, 128), (128, 64)])
 def test_rerotate_triton(device, dtype, head_dim, rot_dim):
-    from sparsex.layers.triton_rerotate import copy_and_rerotate
+    from sparsex.layers.triton_rerotate import LayerPointers, copy_and_rerotate_layers
 
+    def one_layer(k_cache, v_cache, *plan):
+        copy_and_rerotate_layers(LayerPointers([(k_cache, v_cache)]), *plan)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert rerotate_case(dtype, head_dim, rot_dim, device, copy_and_rerotate) < tol
+    assert rerotate_case(dtype, head_dim, rot_dim, device, one_layer) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,rot_dim", [(64, 64), (128, 64)])
+def test_rerotate_every_layer_in_one_launch_equals_one_launch_per_layer(device, dtype, head_dim, rot_dim):
+    """copy_and_rerotate_layers over three layers (one launch, caches found through address tables)
+    writes exactly what one launch per layer writes, and nothing else: each layer's own K/V."""
+    from sparsex.layers.triton_rerotate import LayerPointers, copy_and_rerotate_layers
+    gen = torch.Generator().manual_seed(11)
+    shape = (40, 16, 4, head_dim)
+    caches = [(torch.randn(shape, generator=gen).to(dtype).to(device), torch.randn(shape, generator=gen).to(dtype).to(device))
+              for _ in range(3)]
+    ref = [(k.clone(), v.clone()) for k, v in caches]
+    slots = torch.randperm(shape[0] * shape[1], generator=gen)
+    src, dst = slots[:250].to(device), slots[250:500].to(device)
+    delta = torch.randint(-20000, 20000, (250,), generator=gen).to(device)
+    inv_freq = (1.0 / (500000.0 ** (torch.arange(0, rot_dim, 2).float() / rot_dim))).to(device)
+    for k, v in ref:
+        copy_and_rerotate_layers(LayerPointers([(k, v)]), src, dst, delta, inv_freq)
+    copy_and_rerotate_layers(LayerPointers(caches), src, dst, delta, inv_freq)
+    for (k, v), (rk, rv) in zip(caches, ref):
+        assert torch.equal(k, rk) and torch.equal(v, rv)
+
+
+def test_layer_pointers_refuse_caches_of_different_layouts():
+    from sparsex.layers.triton_rerotate import LayerPointers
+    a = (torch.zeros(4, 16, 2, 64), torch.zeros(4, 16, 2, 64))
+    with pytest.raises(ValueError, match="layer 0's shape"):
+        LayerPointers([a, (torch.zeros(5, 16, 2, 64), torch.zeros(5, 16, 2, 64))])
+    assert LayerPointers([a, a]).num_layers == 2
 
 
 # ---- fused elementwise kernels (triton_fused.py) against the eager torch code they replace ----------
@@ -333,10 +365,10 @@ def test_fused_silu_and_mul_matches_eager(cuda, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim,heads", [(64, 9), (128, 32)])
+@pytest.mark.parametrize("head_dim,heads", [(64, 9), (128, 32), (64, 40)])
 def test_fused_rope_matches_eager_on_strided_views(cuda, dtype, head_dim, heads):
     from sparsex.layers.rotary_embedding import RotaryEmbedding, rotate
-    from sparsex.layers.triton_fused import rope
+    from sparsex.layers.triton_fused import rope_qk
     rot = RotaryEmbedding(head_dim, 10000.0, None, 4096)
     kv_heads = 3
     qkv = torch.randn(41, (heads + 2 * kv_heads) * head_dim).to(dtype)      # the fused projection's output
@@ -348,9 +380,11 @@ def test_fused_rope_matches_eager_on_strided_views(cuda, dtype, head_dim, heads)
     qkv_d = qkv.to(cuda)
     q_d = qkv_d[:, : heads * head_dim].view(-1, heads, head_dim)
     k_d = qkv_d[:, heads * head_dim: (heads + kv_heads) * head_dim].view(-1, kv_heads, head_dim)
-    for x, x_d in ((q, q_d), (k, k_d)):
-        out = rope(x_d, positions.to(cuda), rot.cos_cache, rot.sin_cache)
+    outs = rope_qk(q_d, k_d, positions.to(cuda), rot.cos_cache, rot.sin_cache)
+    for x, out in zip((q, k), outs):
+        assert out.is_contiguous() and out.shape == x.shape
         assert rel_err(out.cpu(), rotate(x, cos, sin)) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(qkv_d.cpu(), qkv)                                     # the inputs are left as they were
 
 
 @pytest.mark.parametrize("heads", [(8, 2), (6, 6)])

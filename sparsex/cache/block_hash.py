@@ -3,7 +3,7 @@ never equal a segment hash. A hash only finds a candidate: every hit is verified
 token ids (and, for blocks, the identity of the parent block), so a forced collision never reuses KV."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -13,10 +13,11 @@ _SEGMENT_DOMAIN = b"sparsex/segment/v1\x00"
 _NONE_PARENT = b"\x00" * 16
 
 
-@dataclass(frozen=True)
-class BlockHash:
-    value: bytes                      # 16-byte digest of (parent, token_ids, extra_keys)
-    token_ids: tuple[int, ...]        # kept for verification on hit
+class BlockHash(NamedTuple):
+    """A named tuple, not a dataclass: a 32k-token prompt makes ~2k of them on the TTFT path, and a
+    tuple is built in C (and its token bytes are not tracked by the cyclic garbage collector)."""
+    value: bytes                      # 16-byte digest of (parent, token bytes, extra_keys)
+    token_bytes: bytes                # the block's token ids as int64 bytes, kept for verification on hit
     extra_keys: tuple = ()
 
 
@@ -24,11 +25,12 @@ def _salt_bytes(cache_salt: str | None) -> bytes:
     return b"" if cache_salt is None else b"salt:" + cache_salt.encode("utf-8") + b"\x00"
 
 
-def _digest(parent_value: bytes, token_bytes: bytes, extra_keys: tuple) -> bytes:
-    data = _PREFIX_DOMAIN + parent_value + token_bytes
-    for key in extra_keys:
-        data += repr(key).encode("utf-8") + b"\x00"
-    return xxhash.xxh3_128_digest(data)
+def _extra_bytes(extra_keys: tuple) -> bytes:
+    return b"".join(repr(key).encode("utf-8") + b"\x00" for key in extra_keys)
+
+
+def _digest(parent_value: bytes, token_bytes: bytes, extra_bytes: bytes) -> bytes:
+    return xxhash.xxh3_128_digest(_PREFIX_DOMAIN + parent_value + token_bytes + extra_bytes)
 
 
 # Extra key of every block in the approximate chain: blocks whose KV was computed over reused
@@ -49,15 +51,21 @@ def iter_block_hashes(token_ids: list[int], block_size: int, cache_salt: str | N
     end = len(token_ids) - len(token_ids) % block_size
     parent_value = parent.value if parent is not None else _NONE_PARENT
     stride = 8 * block_size
+    # every block but a salted first one carries the same extra keys: one tuple and its bytes for all
+    extra = (APPROXIMATE_KV,) if approximate else ()
+    extra_bytes = _extra_bytes(extra)
     for c in range(start, end, _CHUNK_BLOCKS * block_size):
         chunk_end = min(end, c + _CHUNK_BLOCKS * block_size)
         raw = np.asarray(token_ids[c:chunk_end], dtype=np.int64).tobytes()
-        for j, i in enumerate(range(c, chunk_end, block_size)):
-            extra = (("cache_salt", cache_salt),) if (i == 0 and cache_salt is not None) else ()
-            if approximate:
-                extra += (APPROXIMATE_KV,)
-            parent_value = _digest(parent_value, raw[j * stride:(j + 1) * stride], extra)
-            yield BlockHash(parent_value, tuple(token_ids[i:i + block_size]), extra)
+        for j in range((chunk_end - c) // block_size):
+            block_bytes = raw[j * stride:(j + 1) * stride]
+            if c + j == 0 and cache_salt is not None:
+                first = (("cache_salt", cache_salt),) + extra
+                parent_value = _digest(parent_value, block_bytes, _extra_bytes(first))
+                yield BlockHash(parent_value, block_bytes, first)
+                continue
+            parent_value = _digest(parent_value, block_bytes, extra_bytes)
+            yield BlockHash(parent_value, block_bytes, extra)
 
 
 def compute_block_hashes(token_ids: list[int], block_size: int, cache_salt: str | None,

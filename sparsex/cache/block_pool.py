@@ -102,7 +102,7 @@ class BlockPool:
         if block is None or block.block_hash is None:
             return None
         stored = block.block_hash
-        if stored.token_ids != block_hash.token_ids or stored.extra_keys != block_hash.extra_keys:
+        if stored.token_bytes != block_hash.token_bytes or stored.extra_keys != block_hash.extra_keys:
             return None
         if block.parent != (parent.identity if parent is not None else None):
             return None

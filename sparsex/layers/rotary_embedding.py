@@ -69,9 +69,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         half = self.head_dim // 2
         if q.is_cuda and half & (half - 1) == 0:
-            from sparsex.layers.triton_fused import rope                # one kernel each instead of ~8
-            return (rope(q, positions, self.cos_cache, self.sin_cache),
-                    rope(k, positions, self.cos_cache, self.sin_cache))
+            from sparsex.layers.triton_fused import rope_qk             # one kernel instead of ~16
+            return rope_qk(q, k, positions, self.cos_cache, self.sin_cache)
         if (cpu_kernels.supports(q, k) and q.dtype == k.dtype and positions.dtype == torch.int64
                 and self.cos_cache.dtype == torch.float32):
             return cpu_kernels.rope(q, k, positions, self.cos_cache, self.sin_cache)   # `rotate` in one call

@@ -75,33 +75,56 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_kernel(x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
-                 stride_c, num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)                 # [BLOCK_H]
+def _rotate_heads(x_row, out_row, stride_xh, h0, num_heads, c, s, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Heads [h0, h0 + BLOCK_H) of one token: x_row / out_row point at the token's head 0; the
+    output is contiguous ([heads, 2 * HALF] per token)."""
+    h = h0 + tl.arange(0, BLOCK_H)                                       # [BLOCK_H]
     d = tl.arange(0, HALF)                                               # [HALF]
     ok = (h < num_heads)[:, None]
-    p = tl.load(pos_ptr + t).to(tl.int64)
-    c = tl.load(cos_ptr + p * stride_c + d)[None, :]                     # [1, HALF] float32
-    s = tl.load(sin_ptr + p * stride_c + d)[None, :]
-    base = x_ptr + t * stride_xt + h[:, None] * stride_xh + d[None, :]
+    base = x_row + h[:, None] * stride_xh + d[None, :]
     x1 = tl.load(base, mask=ok, other=0.0)
     x2 = tl.load(base + HALF, mask=ok, other=0.0)
     x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    obase = out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :]
+    obase = out_row + h[:, None] * (2 * HALF) + d[None, :]
     tl.store(obase, (x1f * c - x2f * s).to(x1.dtype), mask=ok)
     tl.store(obase + HALF, (x2f * c + x1f * s).to(x1.dtype), mask=ok)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim] (any strides, last dim contiguous), rotate_half layout with the
-    full head_dim rotated; cos/sin_cache: [max_position, head_dim/2] float32 -> new contiguous tensor."""
-    tokens, heads, head_dim = x.shape
-    half = head_dim // 2
-    out = torch.empty((tokens, heads, head_dim), dtype=x.dtype, device=x.device)
-    block_h = min(16, triton.next_power_of_2(heads))
+@triton.jit
+def _rope_qk_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh,
+                    stride_kt, stride_kh, stride_c, num_q_heads, num_k_heads,
+                    HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (t, j): token t, head block j; the first cdiv(num_q_heads, BLOCK_H) blocks are q's,
+    the rest k's (one launch for both: the launch, not the work, is what a small layer pays for)."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    num_q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
+    p = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, HALF)
+    c = tl.load(cos_ptr + p * stride_c + d)[None, :]                     # [1, HALF] float32
+    s = tl.load(sin_ptr + p * stride_c + d)[None, :]
+    if j < num_q_blocks:
+        _rotate_heads(q_ptr + t * stride_qt, qo_ptr + t * (num_q_heads * 2 * HALF), stride_qh,
+                      j * BLOCK_H, num_q_heads, c, s, HALF, BLOCK_H)
+    else:
+        _rotate_heads(k_ptr + t * stride_kt, ko_ptr + t * (num_k_heads * 2 * HALF), stride_kh,
+                      (j - num_q_blocks) * BLOCK_H, num_k_heads, c, s, HALF, BLOCK_H)
+
+
+def rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
+            sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim] (any strides, last dim
+    contiguous), rotate_half layout with the full head_dim rotated; cos/sin_cache:
+    [max_position, head_dim/2] float32 -> new contiguous q and k, from one kernel launch."""
+    tokens, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if k.shape[0] != tokens or k.shape[2] != head_dim:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on tokens or head_dim")
+    q_out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((tokens, kv_heads, head_dim), dtype=k.dtype, device=k.device)
+    block_h = min(16, triton.next_power_of_2(max(heads, kv_heads)))
     if tokens:
-        _rope_kernel[(tokens, triton.cdiv(heads, block_h))](
-            x, out, positions, cos_cache, sin_cache, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-            cos_cache.stride(0), heads, HALF=half, BLOCK_H=block_h, num_warps=4)
-    return out
+        _rope_qk_kernel[(tokens, triton.cdiv(heads, block_h) + triton.cdiv(kv_heads, block_h))](
+            q, k, q_out, k_out, positions, cos_cache, sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            cos_cache.stride(0), heads, kv_heads, HALF=head_dim // 2, BLOCK_H=block_h, num_warps=4)
+    return q_out, k_out

@@ -40,7 +40,7 @@ from sparsex.cache.kv_cache_manager import KVCacheManager
 from sparsex.config import EngineConfig, ReuseConfig
 from sparsex.engine.forward_context import ForwardContext
 from sparsex.engine.request import Request, SegmentSpan
-from sparsex.layers.triton_rerotate import copy_and_rerotate_all_layers_torch
+from sparsex.layers.triton_rerotate import LayerPointers, copy_and_rerotate_all_layers_torch, copy_and_rerotate_layers
 from sparsex.segment import selectors
 from sparsex.segment.segment_index import SegmentEntry, SegmentIndex
 
@@ -109,6 +109,7 @@ class Blender:
         self._seqs: list[_SeqBlend] = []
         self._pending: dict[str, tuple[int, list[SegmentEntry]]] = {}   # planned, not yet admitted
         self.sparse_q_variant = "dev_qrel"     # measurement knobs (benchmarks); see docs/benchmarks.md
+        self._pointers: tuple[tuple[int, ...], LayerPointers] | None = None   # CUDA copy: per-layer cache addresses
         # counters
         self.recomputed_tokens = 0
         self.reused_tokens = 0
@@ -230,12 +231,17 @@ class Blender:
         inv_freq = self.model.rotary.inv_freq
         caches = ctx.kv_caches[first_layer:]
         if dev.type == "cuda":
-            from sparsex.layers.triton_rerotate import copy_and_rerotate
-            for k_cache, v_cache in caches:
-                copy_and_rerotate(k_cache, v_cache, src_t, dst_t, delta_t, inv_freq)
+            copy_and_rerotate_layers(self._layer_pointers(caches), src_t, dst_t, delta_t, inv_freq)
         else:
             copy_and_rerotate_all_layers_torch(caches, src_t, dst_t, delta_t, inv_freq)
         self.copy_seconds += time.perf_counter() - t0
+
+    def _layer_pointers(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> LayerPointers:
+        """The address tables of `caches`, made once (a new table if the caches were reallocated)."""
+        key = tuple(t.data_ptr() for kv in caches for t in kv)
+        if self._pointers is None or self._pointers[0] != key:
+            self._pointers = (key, LayerPointers(caches))
+        return self._pointers[1]
 
     @staticmethod
     def _query_rows(req: Request, reused_pos: np.ndarray, pos0: int, row0: int, num_rows: int) -> np.ndarray:
