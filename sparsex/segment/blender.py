@@ -109,7 +109,9 @@ class Blender:
         self._seqs: list[_SeqBlend] = []
         self._pending: dict[str, tuple[int, list[SegmentEntry]]] = {}   # planned, not yet admitted
         self.sparse_q_variant = "dev_qrel"     # measurement knobs (benchmarks); see docs/benchmarks.md
-        self._pointers: tuple[tuple[int, ...], LayerPointers] | None = None   # CUDA copy: per-layer cache addresses
+        # CUDA copy: per-layer cache address tables, keyed by the caches' addresses (one per first layer
+        # copied; made once, since building one uploads it, which waits for the GPU)
+        self._pointers: dict[tuple[int, ...], LayerPointers] = {}
         # counters
         self.recomputed_tokens = 0
         self.reused_tokens = 0
@@ -239,9 +241,9 @@ class Blender:
     def _layer_pointers(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> LayerPointers:
         """The address tables of `caches`, made once (a new table if the caches were reallocated)."""
         key = tuple(t.data_ptr() for kv in caches for t in kv)
-        if self._pointers is None or self._pointers[0] != key:
-            self._pointers = (key, LayerPointers(caches))
-        return self._pointers[1]
+        if key not in self._pointers:
+            self._pointers[key] = LayerPointers(caches)
+        return self._pointers[key]
 
     @staticmethod
     def _query_rows(req: Request, reused_pos: np.ndarray, pos0: int, row0: int, num_rows: int) -> np.ndarray:
