@@ -921,16 +921,7 @@ def _dry_run_setup() -> None:
 def _parse_variants(text: str) -> list[tuple[str, dict]]:
     """'a=1,b=0.5;c=2' -> [("a=1,b=0.5", {"a": 1, "b": 0.5}), ("c=2", {"c": 2})], each value typed
     as its ReuseConfig field."""
-    def knob(item: str, spec: str) -> tuple[str, object]:
-        name, _, value = item.partition("=")
-        if name in ("full_layers", "boundary_tokens"):      # the policy string's positional fields
-            return name, int(value)
-        if name == "recompute_ratio":
-            return name, float(value)
-        if name == "selector":
-            return name, value
-        return parse_knob(item, spec)
-    return [(spec, dict(knob(item.strip(), spec) for item in spec.split(",")))
+    return [(spec, dict(parse_knob(item.strip(), spec, positional=True) for item in spec.split(",")))
             for spec in filter(None, (x.strip() for x in text.split(";")))]
 
 

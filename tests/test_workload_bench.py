@@ -181,6 +181,13 @@ def test_policies() -> None:
     two = parse_policies("sparse_q:2:0.15:rescore_layers=2:candidate_ratio=0.4")[0].knobs()
     assert (two.rescore_layers, two.candidate_ratio, two.full_layers, two.min_blend_tokens) == (2, 0.4, 2, 0)
     assert parse_policies("sparse_q:2:0.15:0:approx_prefix=false")[0].knobs().approx_prefix is False
+    # the GPU benchmark's --variants name every field, the positional ones too
+    from sparsex.bench.policies import parse_knob
+    assert parse_knob("recompute_ratio=0.13", positional=True) == ("recompute_ratio", 0.13)
+    assert parse_knob("full_layers=3", positional=True) == ("full_layers", 3)
+    assert parse_knob("selector=kv_deviation", positional=True) == ("selector", "kv_deviation")
+    with pytest.raises(ValueError, match="unknown knob"):
+        parse_knob("recompute_ratio=0.13")                   # positional in a policy string
     for bad in ("nope", "none,none", "", "sparse_q:0:0.1", "kv_deviation:x:0.1", "random:1:1.5",
                 "sparse_q:2:0.1:nope=1", "sparse_q:2:0.1:rescore_layers=x", "sparse_q:2:0.1:selector=none",
                 "sparse_q:2:0.2:rescore_layers=2:candidate_ratio=0.1"):

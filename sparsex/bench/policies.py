@@ -97,17 +97,22 @@ DEFAULT_POLICIES = tuple(NAMED_POLICIES)
 
 
 _POSITIONAL = ("selector", "full_layers", "recompute_ratio", "boundary_tokens")     # SELECTOR:F:RATIO:BOUNDARY
-_KNOB_TYPES = {f.name: f.type for f in dataclasses.fields(ReuseConfig) if f.name not in _POSITIONAL}
+_FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(ReuseConfig)}
+_KNOB_TYPES = {name: kind for name, kind in _FIELD_TYPES.items() if name not in _POSITIONAL}
 
 
-def parse_knob(item: str, spec: str | None = None) -> tuple[str, object]:
+def parse_knob(item: str, spec: str | None = None, positional: bool = False) -> tuple[str, object]:
     """`name=value` -> (name, value typed as the ReuseConfig field); `spec` names the whole
-    text in errors."""
+    text in errors. `positional`: the fields a policy string gives by position (selector, F,
+    ratio, boundary) are accepted by name too."""
     spec = item if spec is None else spec
     name, _, text = item.partition("=")
-    kind = _KNOB_TYPES.get(name)
+    types = _FIELD_TYPES if positional else _KNOB_TYPES
+    kind = types.get(name)
     if kind is None:
-        raise ValueError(f"policy {spec!r}: unknown knob {name!r}; choose one of {sorted(_KNOB_TYPES)}")
+        raise ValueError(f"policy {spec!r}: unknown knob {name!r}; choose one of {sorted(types)}")
+    if kind in (str, "str"):
+        return name, text
     try:
         if kind in (bool, "bool"):
             if text not in ("0", "1", "true", "false"):

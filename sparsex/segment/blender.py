@@ -109,9 +109,10 @@ class Blender:
         self._seqs: list[_SeqBlend] = []
         self._pending: dict[str, tuple[int, list[SegmentEntry]]] = {}   # planned, not yet admitted
         self.sparse_q_variant = "dev_qrel"     # measurement knobs (benchmarks); see docs/benchmarks.md
-        # CUDA copy: per-layer cache address tables, keyed by the caches' addresses (one per first layer
-        # copied; made once, since building one uploads it, which waits for the GPU)
-        self._pointers: dict[tuple[int, ...], LayerPointers] = {}
+        # CUDA copy: address tables of the runner's caches from each first layer copied, made once
+        # (building one uploads it, which waits for the GPU); dropped if the cache list is replaced
+        self._pointers: dict[int, LayerPointers] = {}
+        self._pointer_caches: list | None = None
         # counters
         self.recomputed_tokens = 0
         self.reused_tokens = 0
@@ -231,19 +232,19 @@ class Blender:
                                         query_rows=query_t[qcol:qcol + len(query_rows)]))
             qcol += len(query_rows)
         inv_freq = self.model.rotary.inv_freq
-        caches = ctx.kv_caches[first_layer:]
         if dev.type == "cuda":
-            copy_and_rerotate_layers(self._layer_pointers(caches), src_t, dst_t, delta_t, inv_freq)
+            copy_and_rerotate_layers(self._layer_pointers(ctx.kv_caches, first_layer), src_t, dst_t, delta_t, inv_freq)
         else:
-            copy_and_rerotate_all_layers_torch(caches, src_t, dst_t, delta_t, inv_freq)
+            copy_and_rerotate_all_layers_torch(ctx.kv_caches[first_layer:], src_t, dst_t, delta_t, inv_freq)
         self.copy_seconds += time.perf_counter() - t0
 
-    def _layer_pointers(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> LayerPointers:
-        """The address tables of `caches`, made once (a new table if the caches were reallocated)."""
-        key = tuple(t.data_ptr() for kv in caches for t in kv)
-        if key not in self._pointers:
-            self._pointers[key] = LayerPointers(caches)
-        return self._pointers[key]
+    def _layer_pointers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], first_layer: int) -> LayerPointers:
+        """The address tables of `kv_caches[first_layer:]` (the runner allocates its caches once)."""
+        if kv_caches is not self._pointer_caches:
+            self._pointers, self._pointer_caches = {}, kv_caches
+        if first_layer not in self._pointers:
+            self._pointers[first_layer] = LayerPointers(kv_caches[first_layer:])
+        return self._pointers[first_layer]
 
     @staticmethod
     def _query_rows(req: Request, reused_pos: np.ndarray, pos0: int, row0: int, num_rows: int) -> np.ndarray:
