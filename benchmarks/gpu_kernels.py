@@ -33,7 +33,9 @@ from sparsex.layers.attention_metadata import AttentionMetadata  # noqa: E402
 from sparsex.layers.triton_attention import (  # noqa: E402
     TritonAttentionBackend, _decode_kernel, _prefill_config, _prefill_kernel, decode_attention, prefill_attention,
 )
+from sparsex.layers.triton_probe import kv_deviation, query_key_mass  # noqa: E402
 from sparsex.layers.triton_rerotate import LayerPointers, copy_and_rerotate_layers, copy_and_rerotate_torch  # noqa: E402
+from sparsex.segment import selectors  # noqa: E402
 
 H, HKV, D, BS = 32, 8, 128, 16
 DT = torch.bfloat16
@@ -304,6 +306,63 @@ def copy_cases() -> None:
         record(case, name, graph_ms(fns), nbytes=nbytes)
 
 
+def probe_cases() -> None:
+    """The selection probe (triton_probe.py) at the 8k / 32k blended steps' sizes, against the torch
+    selectors it replaced on the GPU, and RoPE + K/V store in one launch against two."""
+    from sparsex.layers.rotary_embedding import RotaryEmbedding
+    from sparsex.layers.triton_fused import rope_qk, rope_qk_store
+    for n, reused in ((8192, 7168), (32768, 28672)):
+        q, k_cache, v_cache, md, _, _ = paged_batch([n], [torch.arange(n - reused - 128, n)], contiguous=True)
+        t = q.shape[0]
+        k = torch.randn(t, HKV, D, device=DEV, dtype=DT)
+        v = torch.randn_like(k)
+        rows = torch.arange(reused, device=DEV)                              # the reused rows of the step
+        query_rows = torch.arange(t - 128, t, device=DEV)                    # the question's rows
+        slots = md.slot_mapping[rows]
+        k_flat, v_flat = k_cache.view(-1, HKV, D), v_cache.view(-1, HKV, D)
+        ref = selectors.kv_deviation_scores(k[rows], v[rows], k_flat[slots], v_flat[slots])
+        out = kv_deviation(k, v, k_cache, v_cache, rows, md.slot_mapping)
+        case = f"kv deviation, {reused} reused rows"
+        nbytes = 4.0 * reused * HKV * D * 2                                  # fresh K, V + cached K, V read
+        record(case, "torch selector", bench_ms(lambda: selectors.kv_deviation_scores(
+            k[rows], v[rows], k_flat[slots], v_flat[slots])), nbytes=nbytes)
+        record(case, "triton", bench_ms(lambda: kv_deviation(k, v, k_cache, v_cache, rows, md.slot_mapping)),
+               nbytes=nbytes, err=rel_err(out, ref))
+        keys = k_cache[md.block_tables[0].long()].flatten(0, 1)[:n]
+        ref = selectors.query_attention_mass(q[query_rows], keys, md.positions[query_rows], SCALE)
+        out = query_key_mass(q, query_rows, md.positions, k_cache, md.block_tables[0], n, SCALE)
+        case = f"query mass, 128 rows x {n} keys"
+        flops = 2 * 2.0 * 128 * H * D * n                                    # two passes of q.k
+        record(case, "torch selector (gathered keys)", bench_ms(lambda: selectors.query_attention_mass(
+            q[query_rows], k_cache[md.block_tables[0].long()].flatten(0, 1)[:n], md.positions[query_rows], SCALE)),
+            flops=flops)
+        record(case, "triton, paged", bench_ms(lambda: query_key_mass(q, query_rows, md.positions, k_cache,
+                                                                        md.block_tables[0], n, SCALE)),
+               flops=flops, err=rel_err(out, ref))
+    rot = RotaryEmbedding(D, 500000.0, None, 32768)
+    rot.build(DEV)
+    n, num_sets = 8192, 8
+    kc = torch.randn(2 * num_sets * n // BS, BS, HKV, D, device=DEV, dtype=DT)
+    vc = torch.randn_like(kc)
+    perm = torch.randperm(kc.shape[0] * BS, device=DEV)
+    qkv = [torch.randn(n, (H + 2 * HKV) * D, device=DEV, dtype=DT) for _ in range(num_sets)]
+    views = [(x[:, :H * D].view(n, H, D), x[:, H * D:(H + HKV) * D].view(n, HKV, D), x[:, (H + HKV) * D:].view(n, HKV, D))
+             for x in qkv]
+    pos = torch.randint(0, 32768, (n,), device=DEV)
+    dsts = [perm[i * n:(i + 1) * n] for i in range(num_sets)]
+
+    def two_launches(q_, k_, v_, d_):
+        q2, k2 = rope_qk(q_, k_, pos, rot.cos_cache, rot.sin_cache)
+        TritonAttentionBackend.store_kv(k2, v_, kc, vc, d_)
+    case = f"RoPE q,k + KV store, {n} tokens"
+    nbytes = 2.0 * n * (H + 2 * HKV) * D * 2 + 2.0 * n * HKV * D * 2          # q, k, v read; q, k out; k, v to the cache
+    record(case, "rope_qk + store_kv (2 launches)",
+           graph_ms([functools.partial(two_launches, *qv, d_) for qv, d_ in zip(views, dsts)]), nbytes=nbytes)
+    record(case, "rope_qk_store (1 launch)",
+           graph_ms([functools.partial(rope_qk_store, *qv, pos, rot.cos_cache, rot.sin_cache, kc, vc, d_)
+                     for qv, d_ in zip(views, dsts)]), nbytes=nbytes)
+
+
 def kernel_report() -> None:
     """Registers, spills and whether the tensor-core path is wgmma (Hopper) for each compiled kernel."""
     for fn in (_prefill_kernel, _decode_kernel):
@@ -337,7 +396,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
     ap.add_argument("--out", default=None, help="folder for a JSON copy of the results")
-    ap.add_argument("--only", default="prefill,sparse,decode,copy")
+    ap.add_argument("--only", default="prefill,sparse,decode,copy,probe")
     args = ap.parse_args()
     torch.manual_seed(0)
     tbps, tflops = measure_ceilings()
@@ -351,6 +410,8 @@ def main() -> None:
         decode_cases(args.sweep)
     if "copy" in only:
         copy_cases()
+    if "probe" in only:
+        probe_cases()
     kernel_report()
     print_table(tbps, tflops)
     if args.out:

@@ -324,6 +324,64 @@ def test_layer_pointers_refuse_caches_of_different_layouts():
     assert LayerPointers([a, a]).num_layers == 2
 
 
+# ---- the selection probe's scores (triton_probe.py) against the torch selectors ----------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_kv_heads,head_dim", [(3, 64), (8, 128)])
+def test_kv_deviation_matches_torch_selector(device, dtype, num_kv_heads, head_dim):
+    """Fresh K/V are strided views of one qkv row (as the model makes them); the copies sit at
+    scattered slots of a paged cache."""
+    from sparsex.layers.triton_probe import kv_deviation
+    from sparsex.segment.selectors import kv_deviation_scores
+    gen = torch.Generator().manual_seed(5)
+    t, kvd = 300, num_kv_heads * head_dim
+    qkv = torch.randn(t, 4 * kvd + kvd + kvd, generator=gen).to(dtype)
+    k = qkv[:, 4 * kvd:5 * kvd].view(t, num_kv_heads, head_dim)
+    v = qkv[:, 5 * kvd:].view(t, num_kv_heads, head_dim)
+    k_cache = torch.randn(30, 16, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(30, 16, num_kv_heads, head_dim, generator=gen).to(dtype)
+    slot_mapping = torch.randperm(30 * 16, generator=gen)[:t]
+    rows = torch.randperm(t, generator=gen)[:217]
+    slots = slot_mapping[rows]
+    ref = kv_deviation_scores(k[rows], v[rows], k_cache.view(-1, num_kv_heads, head_dim)[slots],
+                              v_cache.view(-1, num_kv_heads, head_dim)[slots])
+    to = lambda x: x.to(device)
+    out = kv_deviation(to(k), to(v), to(k_cache), to(v_cache), to(rows), to(slot_mapping))
+    assert out.shape == (217,) and out.dtype == torch.float32
+    assert torch.allclose(out.cpu(), ref, rtol=1e-4, atol=1e-3)
+    assert kv_deviation(to(k), to(v), to(k_cache), to(v_cache), to(rows[:0]), to(slot_mapping)).numel() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,head_dim", [((4, 4), 64), ((6, 2), 64), ((32, 8), 128)])
+@pytest.mark.parametrize("seq_len,num_query_rows", [(1000, 1), (1000, 40), (437, 130)])
+def test_query_key_mass_matches_torch_selector(device, dtype, heads, head_dim, seq_len, num_query_rows):
+    """The mean attention probability of some query rows on every key of a sequence, read through a
+    shuffled block table, equals selectors.query_attention_mass on the gathered keys (fp32). The
+    query rows are the last rows of the step and some sparse rows before them (positions below
+    other keys, so the visibility mask matters); the sequence length is not block-aligned."""
+    from sparsex.layers.triton_probe import query_key_mass
+    from sparsex.segment.selectors import query_attention_mass
+    num_heads, num_kv_heads = heads
+    gen = torch.Generator().manual_seed(seq_len + num_query_rows)
+    rows_pos = sparse_rows(seq_len, 0.2, min(num_query_rows, 24), gen)      # the step's rows
+    _, k_cache, _, md = make_batch([(seq_len, rows_pos)], num_heads, num_kv_heads, head_dim, 16,
+                                   dtype, torch.device("cpu"), contiguous=False)
+    q = torch.randn(rows_pos.numel(), num_heads, head_dim, generator=gen).to(dtype) * 2.0
+    query_rows = torch.arange(rows_pos.numel())[-num_query_rows:]
+    keys = k_cache[md.block_tables[0].long()].flatten(0, 1)[:seq_len]       # [S, KVH, D] gathered
+    scale = head_dim ** -0.5
+    ref = query_attention_mass(q[query_rows].float(), keys.float(), md.positions[query_rows], scale)
+    to = lambda x: x.to(device)
+    out = query_key_mass(to(q), to(query_rows), to(md.positions), to(k_cache), to(md.block_tables[0]),
+                         seq_len, scale)
+    assert out.shape == (seq_len,) and out.dtype == torch.float32
+    assert abs(out.sum().item() - 1.0) < 1e-3                               # a mean of distributions
+    tol = 2e-3 if dtype == torch.float32 else 1.5e-2
+    assert rel_err(out.cpu(), ref) < tol
+    hidden = torch.arange(seq_len) > md.positions[query_rows].max()
+    assert torch.all(out.cpu()[hidden] == 0)                                # keys no query row sees
+
+
 # ---- fused elementwise kernels (triton_fused.py) against the eager torch code they replace ----------
 @pytest.fixture
 def cuda() -> torch.device:
@@ -385,6 +443,37 @@ def test_fused_rope_matches_eager_on_strided_views(cuda, dtype, head_dim, heads)
         assert out.is_contiguous() and out.shape == x.shape
         assert rel_err(out.cpu(), rotate(x, cos, sin)) < (1e-5 if dtype == torch.float32 else 1e-2)
     assert torch.equal(qkv_d.cpu(), qkv)                                     # the inputs are left as they were
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 40, 8)])
+def test_rope_and_store_in_one_launch_equals_rope_then_store(device, dtype, head_dim, heads, kv_heads):
+    """rope_qk_store writes exactly what rope_qk + store_kv write (q, k and both caches, bit for
+    bit), skips negative slots, and leaves every other slot alone."""
+    from sparsex.layers.rotary_embedding import RotaryEmbedding
+    from sparsex.layers.triton_attention import TritonAttentionBackend
+    from sparsex.layers.triton_fused import rope_qk, rope_qk_store
+    gen = torch.Generator().manual_seed(head_dim + heads)
+    rot = RotaryEmbedding(head_dim, 500000.0, None, 4096)
+    rot.build(device)
+    t = 37
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype).to(device)
+    q = qkv[:, : heads * head_dim].view(t, heads, head_dim)                 # strided views, as in Attention
+    k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(t, kv_heads, head_dim)
+    positions = torch.randint(0, 4096, (t,), generator=gen).to(device)
+    slots = torch.randperm(20 * 16, generator=gen)[:t]
+    slots[5] = -1                                                            # a padding row
+    slots = slots.to(device)
+    caches = [torch.randn(20, 16, kv_heads, head_dim, generator=gen).to(dtype).to(device) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    ref_q, ref_k = rope_qk(q, k, positions, rot.cos_cache, rot.sin_cache)
+    TritonAttentionBackend.store_kv(ref_k, v, *ref_caches, slots)
+    out_q, out_k = rope_qk_store(q, k, v, positions, rot.cos_cache, rot.sin_cache, *caches, slots)
+    assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
+    assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
+    with pytest.raises(ValueError, match="disagree"):
+        rope_qk_store(q, k, v[:-1], positions, rot.cos_cache, rot.sin_cache, *caches, slots)
 
 
 @pytest.mark.parametrize("heads", [(8, 2), (6, 6)])

@@ -66,9 +66,13 @@ class RotaryEmbedding(nn.Module):
         freqs = delta.to(torch.float32)[:, None] * self.inv_freq[None, :]     # [n, head_dim/2]
         return freqs.cos(), freqs.sin()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def uses_triton(self, q: torch.Tensor) -> bool:
+        """Whether `forward` runs the Triton kernel (triton_fused.rope_qk) on these queries."""
         half = self.head_dim // 2
-        if q.is_cuda and half & (half - 1) == 0:
+        return q.is_cuda and half & (half - 1) == 0
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.uses_triton(q):
             from sparsex.layers.triton_fused import rope_qk             # one kernel instead of ~16
             return rope_qk(q, k, positions, self.cos_cache, self.sin_cache)
         if (cpu_kernels.supports(q, k) and q.dtype == k.dtype and positions.dtype == torch.int64

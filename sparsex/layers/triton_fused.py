@@ -128,3 +128,72 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache
             q, k, q_out, k_out, positions, cos_cache, sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             cos_cache.stride(0), heads, kv_heads, HALF=head_dim // 2, BLOCK_H=block_h, num_warps=4)
     return q_out, k_out
+
+
+@triton.jit
+def _rope_qk_store_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, kc_ptr, vc_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
+                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
+                          stride_ks, stride_kch, stride_vs, stride_vch, num_q_heads, num_k_heads,
+                          HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """`_rope_qk_kernel`, and the K/V store: program (t, j) with j past q's and k's head blocks copies
+    v's heads into the cache; k's blocks write the rotated k to the cache as well as to `ko`."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    num_q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
+    num_k_blocks = tl.cdiv(num_k_heads, BLOCK_H)
+    slot = tl.load(slot_ptr + t)
+    d = tl.arange(0, HALF)
+    if j < num_q_blocks + num_k_blocks:
+        p = tl.load(pos_ptr + t).to(tl.int64)
+        c = tl.load(cos_ptr + p * stride_c + d)[None, :]                 # [1, HALF] float32
+        s = tl.load(sin_ptr + p * stride_c + d)[None, :]
+        if j < num_q_blocks:
+            _rotate_heads(q_ptr + t * stride_qt, qo_ptr + t * (num_q_heads * 2 * HALF), stride_qh,
+                          j * BLOCK_H, num_q_heads, c, s, HALF, BLOCK_H)
+        else:
+            h = (j - num_q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+            ok = (h < num_k_heads)[:, None]
+            base = k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :]
+            x1 = tl.load(base, mask=ok, other=0.0)
+            x2 = tl.load(base + HALF, mask=ok, other=0.0)
+            x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+            r1, r2 = (x1f * c - x2f * s).to(x1.dtype), (x2f * c + x1f * s).to(x1.dtype)
+            obase = ko_ptr + t * (num_k_heads * 2 * HALF) + h[:, None] * (2 * HALF) + d[None, :]
+            tl.store(obase, r1, mask=ok)
+            tl.store(obase + HALF, r2, mask=ok)
+            if slot >= 0:                                                # a negative slot is skipped
+                cbase = kc_ptr + slot * stride_ks + h[:, None] * stride_kch + d[None, :]
+                tl.store(cbase, r1.to(kc_ptr.dtype.element_ty), mask=ok)
+                tl.store(cbase + HALF, r2.to(kc_ptr.dtype.element_ty), mask=ok)
+    elif slot >= 0:
+        h = (j - num_q_blocks - num_k_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        ok = (h < num_k_heads)[:, None]
+        dd = tl.arange(0, 2 * HALF)
+        x = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + dd[None, :], mask=ok)
+        tl.store(vc_ptr + slot * stride_vs + h[:, None] * stride_vch + dd[None, :], x.to(vc_ptr.dtype.element_ty), mask=ok)
+
+
+def rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  cos_cache: torch.Tensor, sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_qk`, and the rotated k and v stored into the paged caches ([num_blocks, block_size,
+    kv_heads, head_dim]) at `slot_mapping` ([tokens] int64, negative: skipped), in one launch: a
+    layer's RoPE and K/V store were two launches of ~40 us of host time each, 32 layers a step."""
+    tokens, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if k.shape[0] != tokens or k.shape[2] != head_dim or v.shape != k.shape:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} disagree")
+    for c in (k_cache, v_cache):
+        if c.stride(0) != c.shape[1] * c.stride(1) or c.stride(-1) != 1 or c.shape[2:] != k.shape[1:]:
+            raise ValueError(f"cache {tuple(c.shape)} / strides {c.stride()} are not [blocks, block_size, kv_heads, head_dim] by slot")
+    q_out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((tokens, kv_heads, head_dim), dtype=k.dtype, device=k.device)
+    block_h = min(16, triton.next_power_of_2(max(heads, kv_heads)))
+    if tokens:
+        kv_blocks = triton.cdiv(kv_heads, block_h)
+        _rope_qk_store_kernel[(tokens, triton.cdiv(heads, block_h) + 2 * kv_blocks)](
+            q, k, v, q_out, k_out, k_cache, v_cache, positions, slot_mapping, cos_cache, sin_cache,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_cache.stride(0),
+            k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), heads, kv_heads,
+            HALF=head_dim // 2, BLOCK_H=block_h, num_warps=4)
+    return q_out, k_out

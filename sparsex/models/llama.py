@@ -46,11 +46,15 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)                    # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)                 # [T, KVH, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        slot_mapping = ctx.attn_metadata.slot_mapping
         if ctx.probe is not None and self.layer_idx in ctx.probe_layers:
+            # the probe reads the cached copies this layer's store overwrites
+            q, k = self.rotary(positions, q, k)
             ctx.probe(self.layer_idx, q, k, v, k_cache, v_cache, ctx)
-        ctx.backend.store_kv(k, v, k_cache, v_cache, ctx.attn_metadata.slot_mapping)
+            ctx.backend.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        else:
+            q, k = ctx.backend.rope_and_store_kv(self.rotary, positions, q, k, v, k_cache, v_cache, slot_mapping)
         keep = select() if select is not None else None
         if keep is not None:
             # SparseX's selection layer: every row's K/V are fresh (the probe read them), but only

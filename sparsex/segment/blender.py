@@ -40,6 +40,7 @@ from sparsex.cache.kv_cache_manager import KVCacheManager
 from sparsex.config import EngineConfig, ReuseConfig
 from sparsex.engine.forward_context import ForwardContext
 from sparsex.engine.request import Request, SegmentSpan
+from sparsex.layers import triton_probe
 from sparsex.layers.triton_rerotate import LayerPointers, copy_and_rerotate_all_layers_torch, copy_and_rerotate_layers
 from sparsex.segment import selectors
 from sparsex.segment.segment_index import SegmentEntry, SegmentIndex
@@ -73,6 +74,9 @@ class _SeqBlend:
     query_rows: torch.Tensor           # [<= _QUERY_ROWS] new rows whose attention sparse_q weighs
     stage: int = 0                     # index into selection_layers(reuse): the next selection
     scores: torch.Tensor | None = None
+    # CUDA sparse_q: (deviation [R], queries [T, H, D]) of the probe, made into scores by `select`
+    # once the layer has stored this step's K (the query mass reads the paged cache)
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None
     selected: int = 0                  # reused rows the last selection kept
     candidates: int = 0                # reused rows the first selection kept
 
@@ -91,7 +95,7 @@ class _SeqBlend:
         """Keep only the reused rows `idx` ([R'] sorted indices into the current ones)."""
         self.reused_rows, self.reused_pos = self.reused_rows[idx], self.reused_pos[idx]
         self.offsets, self.seg_lo = self.offsets[idx], self.seg_lo[idx]
-        self.scores = None
+        self.scores = self.pending = None
 
     @property
     def num_segments(self) -> int:
@@ -265,21 +269,41 @@ class Blender:
         return torch.searchsorted(ctx.kept_rows, rows)
 
     def _probe(self, layer_idx, q, k, v, k_cache, v_cache, ctx: ForwardContext) -> None:
+        """Before layer `layer_idx` stores this step's K/V: the deviation of every reused row's fresh
+        K/V from the re-rotated copies still in the cache."""
         t0 = time.perf_counter()
         md = ctx.attn_metadata
         for b in self._seqs:
             if b.layer != layer_idx or b.reuse.selector not in selectors.PROBE_SELECTORS:
                 continue
             cur = self._current_rows(ctx, b.reused_rows)
-            slots = md.slot_mapping[cur]
-            k_old = k_cache.view(-1, *k_cache.shape[2:])[slots]              # [R, KVH, D] re-rotated copies
-            v_old = v_cache.view(-1, *v_cache.shape[2:])[slots]
-            dev = selectors.kv_deviation_scores(k[cur], v[cur], k_old, v_old)   # [R]
-            if b.reuse.selector == "kv_deviation":
+            if k.is_cuda:
+                dev = triton_probe.kv_deviation(k, v, k_cache, v_cache, cur, md.slot_mapping)   # [R]
+            else:
+                slots = md.slot_mapping[cur]
+                k_old = k_cache.view(-1, *k_cache.shape[2:])[slots]          # [R, KVH, D] re-rotated copies
+                v_old = v_cache.view(-1, *v_cache.shape[2:])[slots]
+                dev = selectors.kv_deviation_scores(k[cur], v[cur], k_old, v_old)   # [R]
+            if b.reuse.selector == "kv_deviation" or b.query_rows.numel() == 0:
                 b.scores = dev
+            elif k.is_cuda and self.sparse_q_variant == "dev_qrel":
+                b.pending = (dev, q)
             else:
                 b.scores = self._sparse_q_scores(b, cur, dev, q, k, k_cache, ctx)
         self.selection_seconds += time.perf_counter() - t0
+
+    def _finish_sparse_q(self, b: _SeqBlend, layer_idx: int, ctx: ForwardContext) -> torch.Tensor:
+        """CUDA sparse_q, after the layer's K/V store: the probe's deviation weighted by the query
+        rows' attention mass on each reused token, read from the paged cache (triton_probe.py)."""
+        dev, q = b.pending
+        b.pending = None
+        md = ctx.attn_metadata
+        si = b.seq_index
+        mass = triton_probe.query_key_mass(q, self._current_rows(ctx, b.query_rows), md.positions,
+                                           ctx.kv_caches[layer_idx][0], md.block_tables[si], md.seq_lens_cpu[si],
+                                           q.shape[-1] ** -0.5)                 # [n]
+        imp = mass[b.reused_pos]
+        return dev * (1.0 + imp / imp.mean().clamp_min(1e-12))
 
     def _sequence_keys(self, si: int, k, k_cache, ctx) -> torch.Tensor:
         """The sequence's keys at the probe layer: cached ones from the pool, this step's rows fresh."""
@@ -325,6 +349,8 @@ class Blender:
                 continue
             if keep is None:
                 keep = torch.ones(md.positions.shape[0], dtype=torch.bool, device=md.positions.device)
+            if b.pending is not None:
+                b.scores = self._finish_sparse_q(b, layer_idx, ctx)
             mask = self._keep_mask(b)
             b.selected = self._keep_count(b)
             if mask.device.type == "cpu" and int(mask.sum()) != b.selected:    # free to check here
