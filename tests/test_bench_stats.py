@@ -94,3 +94,42 @@ def test_summary_compares_every_policy_to_the_default_on_the_same_requests() -> 
     table = wb.fidelity_markdown(summaries)
     assert "| cacheblend | 5 |" in table and "+0.0040 [+0.0040, +0.0040]" in table
     assert "| naive |" not in table
+
+
+def _lp(probs: list[float]):
+    import torch
+    return torch.tensor(probs, dtype=torch.float64).log()
+
+
+def test_position_metrics_on_hand_made_distributions() -> None:
+    """Three positions over a 3-token vocabulary: the policy agrees at the first, flips a near-tie at
+    the second (full prefill 0.46 / 0.44: margin 0.02) and a decisive one at the third (0.9 / 0.05)."""
+    import math
+    from sparsex.bench.fidelity import compare_positions
+    ref = [_lp([0.7, 0.2, 0.1]), _lp([0.46, 0.44, 0.10]), _lp([0.05, 0.9, 0.05])]
+    pol = [_lp([0.6, 0.3, 0.1]), _lp([0.44, 0.46, 0.10]), _lp([0.5, 0.4, 0.1])]
+    m = compare_positions(ref, pol, [0, 0, 1])
+    assert m.top1 == pytest.approx(1 / 3) and m.match_len == 1
+    assert m.miss_margins == pytest.approx((0.02, 0.85))
+    kl = lambda p, q: sum(a * math.log(a / b) for a, b in zip(p, q))
+    want = (kl([0.7, 0.2, 0.1], [0.6, 0.3, 0.1]) + kl([0.46, 0.44, 0.1], [0.44, 0.46, 0.1])
+            + kl([0.05, 0.9, 0.05], [0.5, 0.4, 0.1])) / 3
+    assert m.kl == pytest.approx(want)
+    same = compare_positions(ref, ref, [0, 0, 1])
+    assert same.top1 == 1.0 and same.kl == pytest.approx(0.0) and same.match_len == 3 and same.miss_margins == ()
+    with pytest.raises(ValueError, match="one reference and one policy distribution"):
+        compare_positions(ref, pol[:2], [0, 0, 1])
+
+
+def test_summary_counts_top1_misses_and_near_ties() -> None:
+    recs = [_record("sparsex", i, 0.01, 0.9) for i in range(3)]
+    for r, margins in zip(recs, ([0.02, 0.5], [], [0.09])):
+        r.miss_margins = margins
+    fm = wb.FlopModel(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
+                      vocab=49152)
+    s = wb.summarize("rag", parse_policies("sparsex")[0], recs, fm)
+    assert (s.top1_misses, s.near_tie_misses) == (3, 2)
+    assert "| 3 (2) |" in wb.fidelity_markdown([s])
+    recs[1].miss_margins = None                      # a record from before the margins were kept
+    s = wb.summarize("rag", parse_policies("sparsex")[0], recs, fm)
+    assert s.top1_misses is None and "| — |" in wb.fidelity_markdown([s])

@@ -8,6 +8,9 @@ distribution with the reference one:
   kl           KL(reference || policy), nats
   match_len    tokens before the first top-1 disagreement: exactly the length of the identical prefix
                that free-running greedy decoding under the policy would produce.
+  miss_margins at every top-1 disagreement, the reference's margin p(top-1) - p(second): how close to
+               a tie the position was under full prefill (a near-tie flips under any perturbation,
+               bf16 rounding included).
 """
 from __future__ import annotations
 
@@ -25,6 +28,14 @@ _ids = itertools.count()
 
 
 @dataclass
+class PositionMetrics:
+    top1: float
+    kl: float
+    match_len: int
+    miss_margins: tuple[float, ...]
+
+
+@dataclass
 class FidelityResult:
     top1: float
     kl: float
@@ -34,6 +45,27 @@ class FidelityResult:
     num_cached_tokens: int
     num_reused_tokens: int
     num_recomputed_tokens: int
+    miss_margins: tuple[float, ...] = ()
+
+
+def compare_positions(ref_lps: list[torch.Tensor], pol_lps: list[torch.Tensor], cont: list[int]) -> PositionMetrics:
+    """The metrics above from the reference's and the policy's next-token log-distributions ([vocab]
+    each, one per position of the continuation `cont`, the reference's greedy tokens)."""
+    if not (len(ref_lps) == len(pol_lps) == len(cont)) or not cont:
+        raise ValueError(f"need one reference and one policy distribution per continuation token, got "
+                         f"{len(ref_lps)} / {len(pol_lps)} / {len(cont)}")
+    hits, kls, margins, match, diverged = 0, [], [], 0, False
+    for ref, pol, tok in zip(ref_lps, pol_lps, cont):
+        ok = int(pol.argmax()) == tok
+        hits += ok
+        kls.append(float((ref.exp() * (ref - pol)).sum()))
+        if not ok:
+            diverged = True
+            top2 = torch.topk(ref.exp(), 2).values
+            margins.append(float(top2[0] - top2[1]))
+        if not diverged:
+            match += 1
+    return PositionMetrics(hits / len(cont), sum(kls) / len(kls), match, tuple(margins))
 
 
 def pieces_prompt(engine: LLMEngine, pieces: list[str | list[int]], reusable: list[bool]) -> TokenizedPrompt:
@@ -79,15 +111,6 @@ def teacher_forced(engine: LLMEngine, prompt: TokenizedPrompt, cont: list[int], 
     full = TokenizedPrompt(prompt.token_ids + cont, None, list(prompt.segments), prompt.cache_salt, query_horizon=n)
     out, cap = run_to_completion(engine, full, SamplingParams(temperature=0, max_tokens=1), reuse=reuse,
                                  capture=set(range(n - 1, n + len(cont) - 1)))
-    top1, kls, match, diverged = [], [], 0, False
-    for t, ref in enumerate(ref_lps):
-        pol = cap[n - 1 + t]
-        ok = int(pol.argmax()) == cont[t]
-        top1.append(ok)
-        kls.append(float((ref.exp() * (ref - pol)).sum()))
-        if not ok:
-            diverged = True
-        if not diverged:
-            match += 1
-    return FidelityResult(sum(top1) / len(top1), sum(kls) / len(kls), match, out.metrics.ttft or 0.0,
-                          len(full.token_ids), out.num_cached_tokens, out.num_reused_tokens, out.num_recomputed_tokens)
+    m = compare_positions(ref_lps, [cap[n - 1 + t] for t in range(len(ref_lps))], cont)
+    return FidelityResult(m.top1, m.kl, m.match_len, out.metrics.ttft or 0.0, len(full.token_ids),
+                          out.num_cached_tokens, out.num_reused_tokens, out.num_recomputed_tokens, m.miss_margins)

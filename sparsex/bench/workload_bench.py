@@ -195,6 +195,7 @@ class RequestRecord:
     twin_match: bool | None = None  # the twin engine planned the same cached/reused/recomputed counts
     twin_counts: tuple[int, int, int] | None = None   # the twin's (cached, reused, recomputed)
     approx_prefix_tokens: int = 0  # of reused_tokens: blended blocks of an earlier request continuing the prefix
+    miss_margins: list[float] | None = None  # at each top-1 disagreement, full prefill's p(top-1) - p(second)
 
 
 @dataclass
@@ -234,6 +235,10 @@ class PolicySummary:
     kl_minus_sparsex: float | None = None
     kl_minus_sparsex_low: float | None = None
     kl_minus_sparsex_high: float | None = None
+    # top-1 disagreements over the fidelity requests, and how many were near-ties under full prefill
+    # (its top two tokens within NEAR_TIE of each other in probability)
+    top1_misses: int | None = None
+    near_tie_misses: int | None = None
 
 
 # ============================================================================ prefill work
@@ -525,7 +530,7 @@ def replay_reference(cfg: WorkloadBenchConfig, engine: LLMEngine, requests: list
         rec = RequestRecord(cfg.workload, "none", i, req.request_id, n, 0, 0, 0, n, tl, fl / 1e9, ref.ttft_s, 0.0,
                             0, 0, fid[i])
         if fid[i]:    # the reference itself: exact by definition
-            rec.top1, rec.kl, rec.match_len = 1.0, 0.0, cfg.fidelity_tokens
+            rec.top1, rec.kl, rec.match_len, rec.miss_margins = 1.0, 0.0, cfg.fidelity_tokens, []
         if req.workload == "rag":
             _score(rec, _decode(engine, ref.answer_ids), req)
         records.append(rec)
@@ -574,6 +579,7 @@ def replay_policy(cfg: WorkloadBenchConfig, policy: Policy, timed: LLMEngine, pl
                 res = teacher_forced(twin, _teacher_forcing_prompt(prompt), refs[i].cont, refs[i].lps,
                                      reuse=reuse, approx_prefix=True)
                 rec.top1, rec.kl, rec.match_len = res.top1, res.kl, res.match_len
+                rec.miss_margins = list(res.miss_margins)
                 counts = (res.num_cached_tokens, res.num_reused_tokens, res.num_recomputed_tokens)
             else:
                 o, _ = run_to_completion(twin, prompt, SamplingParams(temperature=0, max_tokens=1), reuse=reuse)
@@ -768,12 +774,19 @@ def summarize(workload: str, policy: Policy, recs: list[RequestRecord], flops: F
     )
 
 
+NEAR_TIE = 0.1      # a reference margin p(top-1) - p(second) below this makes a top-1 miss a near-tie
+
+
 def _fidelity_intervals(fr: list[RequestRecord]) -> dict:
     if len(fr) < 2:
         return {}
     top1 = stats.bootstrap_mean([r.top1 for r in fr])
     kl = stats.bootstrap_mean([r.kl for r in fr])
-    return dict(top1_low=top1.low, top1_high=top1.high, kl_low=kl.low, kl_high=kl.high)
+    out = dict(top1_low=top1.low, top1_high=top1.high, kl_low=kl.low, kl_high=kl.high)
+    if all(r.miss_margins is not None for r in fr):
+        margins = [m for r in fr for m in r.miss_margins]
+        out.update(top1_misses=len(margins), near_tie_misses=sum(m < NEAR_TIE for m in margins))
+    return out
 
 
 def compare_to_default(summaries: list[PolicySummary], records: list[RequestRecord]) -> None:
@@ -829,13 +842,15 @@ def fidelity_markdown(summaries: list[PolicySummary]) -> str:
     rows = [s for s in summaries if s.top1_low is not None]
     if not rows:
         return ""
-    lines = ["| policy | requests | top-1 [95% CI] | KL [95% CI] | KL − sparsex, paired [95% CI] |",
-             "|---|---|---|---|---|"]
+    lines = ["| policy | requests | top-1 [95% CI] | KL [95% CI] | KL − sparsex, paired [95% CI] | "
+             f"top-1 misses (near-ties: full prefill's top two within {NEAR_TIE:g}) |",
+             "|---|---|---|---|---|---|"]
     for s in rows:
         diff = "—" if s.kl_minus_sparsex is None else (
             f"{s.kl_minus_sparsex:+.4f} [{s.kl_minus_sparsex_low:+.4f}, {s.kl_minus_sparsex_high:+.4f}]")
+        misses = "—" if s.top1_misses is None else f"{s.top1_misses} ({s.near_tie_misses})"
         lines.append(f"| {s.policy} | {s.fidelity_requests} | {s.top1:.1%} [{s.top1_low:.1%}, {s.top1_high:.1%}] | "
-                     f"{_fmt(s.kl, '.4f')} [{_fmt(s.kl_low, '.4f')}, {_fmt(s.kl_high, '.4f')}] | {diff} |")
+                     f"{_fmt(s.kl, '.4f')} [{_fmt(s.kl_low, '.4f')}, {_fmt(s.kl_high, '.4f')}] | {diff} | {misses} |")
     return "\n".join(lines) + "\n"
 
 
