@@ -192,12 +192,6 @@ class SdpaPlainPrefill:
         backend.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
     @staticmethod
-    def rope_and_store_kv(rotary, positions, q, k, v, k_cache, v_cache, slot_mapping):
-        q, k = rotary(positions, q, k)
-        SdpaPlainPrefill.store_kv(k, v, k_cache, v_cache, slot_mapping)
-        return q, k
-
-    @staticmethod
     def attention(query, k_cache, v_cache, md, scale, key=None, value=None):
         n = query.shape[0]
         k = k_cache.view(-1, *k_cache.shape[2:])[:n]

@@ -45,11 +45,6 @@ class FixedSplitDecodeBackend:
         from sparsex.layers.triton_attention import TritonAttentionBackend
         TritonAttentionBackend.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
-    @staticmethod
-    def rope_and_store_kv(*args) -> tuple[torch.Tensor, torch.Tensor]:
-        from sparsex.layers.triton_attention import TritonAttentionBackend
-        return TritonAttentionBackend.rope_and_store_kv(*args)
-
     def attention(self, query, k_cache, v_cache, md: AttentionMetadata, scale: float,
                   key=None, value=None) -> torch.Tensor:
         from sparsex.layers.triton_attention import decode_attention

@@ -1,12 +1,10 @@
 """Attention over the paged KV cache: the torch (CPU) backend, which is also the reference.
 
-A backend provides three functions:
+A backend provides two functions, both reading `AttentionMetadata`:
   store_kv(key, value, k_cache, v_cache, slot_mapping)
-  rope_and_store_kv(rotary, positions, q, k, v, k_cache, v_cache, slot_mapping) -> (q, k) rotated
-      (RoPE then store_kv: one kernel on the GPU, for the layers that read nothing in between)
-  attention(query, k_cache, v_cache, metadata, scale) -> output, reading `AttentionMetadata`
+  attention(query, k_cache, v_cache, metadata, scale) -> output
 Caches are per layer: `[num_blocks, block_size, num_kv_heads, head_dim]`.
-The GPU backend (Triton) implements the same three functions.
+The GPU backend (Triton) implements the same two functions.
 
 How the CPU backend spends its time (2-core AVX-512 box, SmolLM2 shapes, measured):
 - Sequences with one query row (decode, or a sparse layer that kept a single row) go to the
@@ -200,15 +198,6 @@ class TorchAttentionBackend:
             return
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
-
-    @staticmethod
-    def rope_and_store_kv(rotary, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE on q and k, then the K/V store (a layer that reads nothing between the two)."""
-        q, k = rotary(positions, q, k)
-        TorchAttentionBackend.store_kv(k, v, k_cache, v_cache, slot_mapping)
-        return q, k
 
     @staticmethod
     def attention(

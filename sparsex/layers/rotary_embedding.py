@@ -66,13 +66,24 @@ class RotaryEmbedding(nn.Module):
         freqs = delta.to(torch.float32)[:, None] * self.inv_freq[None, :]     # [n, head_dim/2]
         return freqs.cos(), freqs.sin()
 
-    def uses_triton(self, q: torch.Tensor) -> bool:
-        """Whether `forward` runs the Triton kernel (triton_fused.rope_qk) on these queries."""
+    def _uses_triton(self, q: torch.Tensor) -> bool:
         half = self.head_dim // 2
         return q.is_cuda and half & (half - 1) == 0
 
+    def forward_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          store_kv) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, then the layer's K/V store (`store_kv`, the backend's): on the GPU both in one
+        Triton launch (triton_fused.rope_qk_store), for the layers that read nothing in between."""
+        if self._uses_triton(q):
+            from sparsex.layers.triton_fused import rope_qk_store
+            return rope_qk_store(q, k, v, positions, self.cos_cache, self.sin_cache, k_cache, v_cache, slot_mapping)
+        q, k = self(positions, q, k)
+        store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q, k
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.uses_triton(q):
+        if self._uses_triton(q):
             from sparsex.layers.triton_fused import rope_qk             # one kernel instead of ~16
             return rope_qk(q, k, positions, self.cos_cache, self.sin_cache)
         if (cpu_kernels.supports(q, k) and q.dtype == k.dtype and positions.dtype == torch.int64

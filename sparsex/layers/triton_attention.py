@@ -532,18 +532,6 @@ class TritonAttentionBackend:
         )
 
     @staticmethod
-    def rope_and_store_kv(rotary, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE on q and k and the K/V store in one launch (triton_fused.rope_qk_store)."""
-        if rotary.uses_triton(q):
-            from sparsex.layers.triton_fused import rope_qk_store
-            return rope_qk_store(q, k, v, positions, rotary.cos_cache, rotary.sin_cache, k_cache, v_cache, slot_mapping)
-        q, k = rotary(positions, q, k)
-        TritonAttentionBackend.store_kv(k, v, k_cache, v_cache, slot_mapping)
-        return q, k
-
-    @staticmethod
     def attention(
         query: torch.Tensor,        # [num_tokens, num_heads, head_dim]
         k_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_dim]

@@ -54,7 +54,8 @@ class Attention(nn.Module):
             ctx.probe(self.layer_idx, q, k, v, k_cache, v_cache, ctx)
             ctx.backend.store_kv(k, v, k_cache, v_cache, slot_mapping)
         else:
-            q, k = ctx.backend.rope_and_store_kv(self.rotary, positions, q, k, v, k_cache, v_cache, slot_mapping)
+            q, k = self.rotary.forward_and_store(positions, q, k, v, k_cache, v_cache, slot_mapping,
+                                                 ctx.backend.store_kv)
         keep = select() if select is not None else None
         if keep is not None:
             # SparseX's selection layer: every row's K/V are fresh (the probe read them), but only
