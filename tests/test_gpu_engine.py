@@ -127,7 +127,7 @@ def test_cuda_selection_scores_equal_the_torch_selectors(cpu_greedy, rescore_lay
         keys = k_cache[md.block_tables[si, :(n + bs - 1) // bs].long()].flatten(0, 1)[:n]   # fresh K stored
         rows = blender._current_rows(ctx, b.query_rows)
         imp = selectors.query_attention_mass(q[rows], keys, md.positions[rows], q.shape[-1] ** -0.5)[b.reused_pos]
-        ref = dev * (1.0 + imp / imp.mean())
+        ref = dev * (1.0 + imp / imp.mean())                                  # selectors.sparse_q_scores, by hand
         assert ((out - ref).norm() / ref.norm()).item() < 1e-2
         checked.append(layer_idx)
         return out

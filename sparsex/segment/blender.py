@@ -302,8 +302,7 @@ class Blender:
         mass = triton_probe.query_key_mass(q, self._current_rows(ctx, b.query_rows), md.positions,
                                            ctx.kv_caches[layer_idx][0], md.block_tables[si], md.seq_lens_cpu[si],
                                            q.shape[-1] ** -0.5)                 # [n]
-        imp = mass[b.reused_pos]
-        return dev * (1.0 + imp / imp.mean().clamp_min(1e-12))
+        return selectors.sparse_q_scores(dev, mass[b.reused_pos])
 
     def _sequence_keys(self, si: int, k, k_cache, ctx) -> torch.Tensor:
         """The sequence's keys at the probe layer: cached ones from the pool, this step's rows fresh."""
@@ -318,9 +317,8 @@ class Blender:
 
     def _sparse_q_scores(self, b: _SeqBlend, cur, dev, q, k, k_cache, ctx) -> torch.Tensor:
         """Deviation weighted by query-side importance: how much the new tokens' queries (the
-        user's question, the template glue) attend to each reused token at the probe layer."""
-        if b.query_rows.numel() == 0:
-            return dev
+        user's question, the template glue) attend to each reused token at the probe layer (the
+        CPU path; `_probe` scores a sequence without query rows by its deviation alone)."""
         md = ctx.attn_metadata
         new_rows = self._current_rows(ctx, b.query_rows)
         keys = self._sequence_keys(b.seq_index, k, k_cache, ctx)             # [n, KVH, D]
@@ -331,7 +329,7 @@ class Blender:
             return selectors.outside_segment_mass(q[cur], keys, b.reused_pos, b.seg_lo, q.shape[-1] ** -0.5)
         if variant == "qrel":
             return imp
-        return dev * (1.0 + imp / imp.mean().clamp_min(1e-12))
+        return selectors.sparse_q_scores(dev, imp)
 
     def select(self, layer_idx: int, ctx: ForwardContext) -> tuple[torch.Tensor, list[int]] | None:
         """Rows to keep from layer `layer_idx`'s attention on, and how many each sequence keeps;

@@ -35,6 +35,12 @@ def kv_deviation_scores(k_fresh: torch.Tensor, v_fresh: torch.Tensor,
     return dk + dv
 
 
+def sparse_q_scores(deviation: torch.Tensor, query_mass: torch.Tensor) -> torch.Tensor:
+    """sparse_q: the K/V deviation ([R]) weighted by the query rows' attention mass on each reused
+    token ([R]), relative to its mean: dev * (1 + mass / mean(mass))."""
+    return deviation * (1.0 + query_mass / query_mass.mean().clamp_min(1e-12))
+
+
 def outside_segment_mass(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, seg_lo: torch.Tensor,
                          scale: float, chunk: int = 256) -> torch.Tensor:
     """Attention mass a row's query puts on keys outside its own segment, from two log-sum-exps
