@@ -770,7 +770,7 @@ def summarize(workload: str, policy: Policy, recs: list[RequestRecord], flops: F
         match_len=_mean([r.match_len for r in fr]), f1=_mean([r.f1 for r in scored]),
         em=_mean([r.em for r in scored]),
         twin_mismatches=sum(1 for r in recs if r.twin_match is False),
-        **_fidelity_intervals(fr),
+        **_fidelity_intervals(fr), **_top1_misses(fr),
     )
 
 
@@ -782,11 +782,16 @@ def _fidelity_intervals(fr: list[RequestRecord]) -> dict:
         return {}
     top1 = stats.bootstrap_mean([r.top1 for r in fr])
     kl = stats.bootstrap_mean([r.kl for r in fr])
-    out = dict(top1_low=top1.low, top1_high=top1.high, kl_low=kl.low, kl_high=kl.high)
-    if all(r.miss_margins is not None for r in fr):
-        margins = [m for r in fr for m in r.miss_margins]
-        out.update(top1_misses=len(margins), near_tie_misses=sum(m < NEAR_TIE for m in margins))
-    return out
+    return dict(top1_low=top1.low, top1_high=top1.high, kl_low=kl.low, kl_high=kl.high)
+
+
+def _top1_misses(fr: list[RequestRecord]) -> dict:
+    """Top-1 disagreements over the fidelity requests and how many were near-ties (none: a record
+    without margins, e.g. from before they were kept)."""
+    if not fr or any(r.miss_margins is None for r in fr):
+        return {}
+    margins = [m for r in fr for m in r.miss_margins]
+    return dict(top1_misses=len(margins), near_tie_misses=sum(m < NEAR_TIE for m in margins))
 
 
 def compare_to_default(summaries: list[PolicySummary], records: list[RequestRecord]) -> None:
