@@ -120,7 +120,11 @@ GC_FREEZE = False           # --gc-freeze: objects alive once an engine is built
 
 def make_llm(cache: str, kv_gib: float, share_from: LLM | None = None) -> LLM:
     llm = LLM(MODEL, device=DEV.type, dtype="bfloat16" if DEV.type == "cuda" else "float32", cache=cache, kv_cache_memory=int(kv_gib * GIB),
-              max_model_len=MAX_LEN, max_num_batched_tokens=MAX_LEN, max_num_seqs=64)
+              max_model_len=MAX_LEN, max_num_batched_tokens=MAX_LEN, max_num_seqs=64,
+              # no start-up warm-up: every section runs its own untimed requests first, and share_from
+              # swaps the model after construction, which would leave warm-up's decode graphs on the
+              # discarded copy (benchmarks/gpu_startup.py measures the warm-up)
+              warmup=False)
     if share_from is not None:
         # same seed -> same random weights; keep one copy on the GPU
         runner = llm.llm_engine.runner

@@ -105,6 +105,9 @@ class EngineConfig:
     segment_eviction: str = "frequency"  # "frequency" (GreedyDual-Size-Frequency) | "lru"
     reuse: ReuseConfig | None = None
     cache_dir: str | None = None
+    # run a few small requests at start-up so the first real one does not compile kernels or
+    # capture graphs (sparsex/engine/warmup.py); None = on for CUDA, off for the CPU
+    warmup: bool | None = None
 
     def __post_init__(self) -> None:
         self.torch_dtype = parse_dtype(self.dtype)
@@ -126,7 +129,13 @@ class EngineConfig:
             raise ValueError(f"segment_eviction must be 'lru' or 'frequency', got {self.segment_eviction!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.warmup not in (None, True, False):
+            raise ValueError(f"warmup must be True, False or None (on for CUDA), got {self.warmup!r}")
         self.reuse.verify()
+
+    @property
+    def warmup_enabled(self) -> bool:
+        return self.device != "cpu" if self.warmup is None else self.warmup
 
     @property
     def enable_prefix_caching(self) -> bool:

@@ -82,3 +82,6 @@ def test_engine_flags_reach_the_reuse_config():
     assert cfg.reuse.rescore_layers == 3 and cfg.reuse.candidate_ratio == 0.4
     with pytest.raises(ValueError, match="below recompute_ratio"):
         engine_config(p.parse_args(["serve", "--rescore-layers", "2", "--candidate-ratio", "0.1"])).reuse.verify()
+    assert engine_config(p.parse_args(["serve"])).warmup is None                       # on for CUDA only
+    assert engine_config(p.parse_args(["serve", "--no-warmup"])).warmup is False
+    assert engine_config(p.parse_args(["serve", "--warmup", "--device", "cpu"])).warmup_enabled is True

@@ -16,9 +16,10 @@ import torch
 from sparsex.cache.kv_cache_manager import KVCacheManager, cdiv
 from sparsex.config import EngineConfig, ReuseConfig
 from sparsex.engine.detokenizer import IncrementalDetokenizer
-from sparsex.engine.model_runner import ModelRunner
+from sparsex.engine.model_runner import ModelRunner, StepTimings
 from sparsex.engine.request import Request, RequestStatus
 from sparsex.engine.scheduler import Scheduler
+from sparsex.engine.warmup import warm_up
 from sparsex.entrypoints.chat_utils import TokenizedPrompt, chat_prompt, parse_prompt
 from sparsex.models.loader import load_model
 from sparsex.outputs import CompletionOutput, RequestOutput
@@ -59,8 +60,23 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, loaded, self.max_model_len)
         del loaded
+        self._init_cache_state()
+        self.warmup_seconds = 0.0
+        if config.warmup_enabled:
+            self.warmup_seconds = warm_up(self)
+            # a warmed engine starts from the same empty caches and zero counters as a cold one:
+            # only the compiled kernels and captured decode graphs are kept
+            self._init_cache_state()
+            torch.manual_seed(config.seed)
+
+    def _init_cache_state(self) -> None:
+        """(Re)build everything that holds requests, blocks or counters; the model runner (weights,
+        KV tensors, decode graphs) is kept."""
+        config = self.config
+        self.runner.timings = StepTimings()
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.segment_index = None
+        self.runner.blender = None
         planner = None
         if config.enable_segment_reuse:
             from sparsex.segment.blender import Blender

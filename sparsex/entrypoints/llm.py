@@ -18,6 +18,8 @@ class LLM:
     cache: "none" (no reuse) | "prefix" (exact prefix caching) | "sparsex" (prefix + segment reuse).
     Segment-reuse knobs: full_layers, recompute_ratio, selector, boundary_tokens, boundary_share, min_segment_tokens,
     min_context_tokens, min_blend_tokens, rescore_layers, candidate_ratio, approx_prefix.
+    warmup: run a few small requests at start-up so the first real one compiles nothing
+    (None: on for CUDA, off for the CPU).
     """
 
     def __init__(self, model: str = "smollm2-135m-instruct", *, dtype: str = "float32", cache: str = "prefix",
@@ -29,7 +31,7 @@ class LLM:
                  min_context_tokens: int = 128,
                  min_blend_tokens: int = 256, rescore_layers: int = 0, candidate_ratio: float = 0.5,
                  approx_prefix: bool = True,
-                 segment_eviction: str = "frequency", cache_dir: str | None = None):
+                 segment_eviction: str = "frequency", cache_dir: str | None = None, warmup: bool | None = None):
         reuse = ReuseConfig(full_layers=full_layers, recompute_ratio=recompute_ratio, selector=selector,
                             boundary_tokens=boundary_tokens, boundary_share=boundary_share,
                             min_segment_tokens=min_segment_tokens,
@@ -40,7 +42,7 @@ class LLM:
                                    block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
                                    max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_seqs=max_num_seqs, segment_eviction=segment_eviction, reuse=reuse,
-                                   cache_dir=cache_dir)
+                                   cache_dir=cache_dir, warmup=warmup)
         self.llm_engine = LLMEngine(self.config)
         self._counter = itertools.count()
 

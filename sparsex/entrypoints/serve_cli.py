@@ -80,6 +80,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "request's blended blocks (slower, closer to full prefill)")
     g.add_argument("--segment-eviction", choices=("lru", "frequency"), default=e["segment_eviction"])
     g.add_argument("--cache-dir", default=e["cache_dir"], help="where converted models are cached (default $SPARSEX_CACHE_DIR)")
+    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=e["warmup"],
+                   help="run a few small requests at start-up so the first real one compiles no kernels "
+                        "(default: on for CUDA, off for the CPU)")
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -123,7 +126,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
                         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, segment_eviction=args.segment_eviction, reuse=reuse,
-                        cache_dir=args.cache_dir)
+                        cache_dir=args.cache_dir, warmup=args.warmup)
 
 
 def run_serve(args: argparse.Namespace) -> int:

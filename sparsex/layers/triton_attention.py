@@ -118,7 +118,9 @@ def _attend_keys(
     return acc, m_i, l_i
 
 
-@triton.jit
+# the block-table width (stride_bt) and rows_per_seq follow the request's length: not specialised on,
+# so one compilation serves every length and the start-up warm-up covers it (sparsex/engine/warmup.py)
+@triton.jit(do_not_specialize=["stride_bt", "rows_per_seq"])
 def _prefill_kernel(
     q_ptr, k_cache, v_cache, out_ptr,
     positions, cu_seqlens_q, seq_lens, block_tables,

@@ -76,7 +76,9 @@ if triton is not None:
         pos = tl.load(positions + row, mask=ok, other=0)                 # invalid lines see key 0 (no NaN)
         return qt, pos, ok
 
-    @triton.jit
+    # per-request sizes are not specialised on (divisible by 16, == 1): one compilation serves every
+    # request, so the start-up warm-up covers them (sparsex/engine/warmup.py)
+    @triton.jit(do_not_specialize=["num_lines", "seq_len"])
     def _query_lse_kernel(
         q, rows, positions, k_cache, bt_row, lse, num_lines, seq_len,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, qk_scale,
@@ -101,7 +103,7 @@ if triton is not None:
             m_i = m_new
         tl.store(lse + kv_head * num_lines + lines, m_i + tl.log2(l_i), mask=ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_lines", "seq_len"])
     def _query_mass_kernel(
         q, rows, positions, k_cache, bt_row, lse, out, num_lines, seq_len,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, qk_scale, inv_count,

@@ -1,0 +1,87 @@
+"""Start-up warm-up: run a few small requests through every path the engine's cache mode uses, so
+the first real request does not pay for compilation.
+
+On the GPU the first blended request of a process compiled the blend's Triton kernels (the
+re-rotating copy, the probe, the sparse-row attention: 2-3 s), and the first decode step captured
+the decode CUDA graphs. `warm_up` moves that to engine start-up. What it leaves behind is dropped
+by the caller, which rebuilds the cache state (block pool, segment index, scheduler, counters)
+afterwards, so a warmed engine starts from the same empty caches as a cold one; only compiled
+kernels and captured graphs remain.
+
+The prompts are fixed pseudo-random token ids (no text, no tokenizer round trip):
+
+    r1  [head, A, B, C, q1]          plain prefill, batched with a short r1b (two sequences in a
+                                     step), then a decode step (captures the decode graphs)
+    r2  r1's prompt + a new tail     an exact prefix hit, then a short extend step  (prefix, sparsex)
+    r3  [head, C, A, B, q2]          A, B and C reused at new positions: a blended prefill  (sparsex)
+    r4  [head, B, C, A, long tail]   blended again, with enough new rows (LONG_TAIL_TOKENS) for the
+                                     sparse layers' gathered-keys attention that long blended
+                                     prompts take (skipped where the pool or context is too small)
+
+The kernels do not specialise on per-request sizes (lengths, block-table widths), so these
+compilations serve every later request; `benchmarks/gpu_startup.py` counts what is still compiled
+by the first requests after it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from sparsex.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from sparsex.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+HEAD_TOKENS = 32
+QUESTION_TOKENS = 16
+MAX_SEGMENT_TOKENS = 256
+MIN_SEGMENT_TOKENS = 32
+# the Triton attention reads a gathered copy of the keys from 512 rows a step on
+# (triton_attention.GATHER_MIN_ROWS); its kernel variant compiles only when a step has that many
+LONG_TAIL_TOKENS = 640
+
+
+def warm_up(engine: LLMEngine) -> float:
+    """Run the warm-up requests to completion; returns the seconds it took (0.0 when skipped:
+    a pool or context too small for even the smallest warm-up prompt)."""
+    t0 = time.perf_counter()
+    capacity = engine.kv.pool.num_blocks * engine.config.block_size
+    # r3 holds its own blocks while the segment entries it copies from hold theirs: keep a prompt
+    # under a third of the pool
+    longest = min(capacity // 3, engine.max_model_len - 8)
+    seg = min(MAX_SEGMENT_TOKENS, (longest - HEAD_TOKENS - 2 * QUESTION_TOKENS) // 3)
+    if seg < MIN_SEGMENT_TOKENS:
+        logger.info("warm-up skipped: %d-token pool, max_model_len %d", capacity, engine.max_model_len)
+        return 0.0
+    rng = np.random.default_rng(0)
+    vocab = engine.model_config.vocab_size
+    ids = lambda n: rng.integers(min(256, vocab // 2), vocab, size=n).tolist()
+    head, a, b, c = ids(HEAD_TOKENS), ids(seg), ids(seg), ids(seg)
+    q1, q1b, q2, tail = (ids(QUESTION_TOKENS) for _ in range(4))
+    long_tail = ids(LONG_TAIL_TOKENS)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    # blend whatever hits, wherever it was first encoded: the point is to run the kernels
+    blend = {"min_blend_tokens": 0, "min_context_tokens": 0}
+    waves: list[list[tuple[dict, dict | None]]] = [
+        [({"segments": [head, a, b, c, q1]}, None), ({"prompt_token_ids": q1b + tail}, None)]]
+    if engine.config.enable_prefix_caching:
+        waves.append([({"prompt_token_ids": head + a + b + c + q1 + tail}, None)])
+    if engine.config.enable_segment_reuse:
+        waves.append([({"segments": [head, c, a, b, q2]}, blend)])
+        if HEAD_TOKENS + 3 * seg + LONG_TAIL_TOKENS <= longest:
+            waves.append([({"segments": [head, b, c, a, long_tail]}, blend)])
+    n = 0
+    for wave in waves:                  # a wave's requests are queued together: one step runs them all
+        for prompt, reuse in wave:
+            engine.add_request(f"warmup-{n}", prompt, params, reuse=reuse)
+            n += 1
+        while engine.has_unfinished_requests():
+            engine.step()
+    seconds = time.perf_counter() - t0
+    logger.info("warm-up: %d requests in %.2f s", n, seconds)
+    return seconds
