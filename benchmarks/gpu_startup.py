@@ -53,8 +53,7 @@ def child(args) -> dict:
         pass
     dev = ge.DEV.type
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-    rng = np.random.default_rng(0)
-    ids = lambda n: rng.integers(3, 48000, n).tolist()
+    ids = ge.rand_ids
     k = args.passages
     plen = PASSAGE_LEN if not args.dry_run else 64
     passages = [ids(plen) for _ in range(k)]

@@ -80,3 +80,9 @@ def test_a_pool_too_small_skips_the_warm_up(smollm2):
     assert llm.llm_engine.warmup_seconds == 0.0
     out = llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_segments_follow_the_engines_min_segment_tokens(smollm2):
+    llm = LLM(cache="sparsex", dtype="float32", seed=0, num_blocks=512, min_segment_tokens=300)
+    warm_up(llm.llm_engine)
+    assert llm.llm_engine.stats().segment_cache_hits >= 2 * 300     # still blended, with longer segments

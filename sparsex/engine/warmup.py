@@ -54,8 +54,10 @@ def warm_up(engine: LLMEngine) -> float:
     # r3 holds its own blocks while the segment entries it copies from hold theirs: keep a prompt
     # under a third of the pool
     longest = min(capacity // 3, engine.max_model_len - 8)
-    seg = min(MAX_SEGMENT_TOKENS, (longest - HEAD_TOKENS - 2 * QUESTION_TOKENS) // 3)
-    if seg < MIN_SEGMENT_TOKENS:
+    # a segment shorter than the engine's min_segment_tokens is never indexed, so nothing would blend
+    min_seg = max(MIN_SEGMENT_TOKENS, engine.config.reuse.min_segment_tokens)
+    seg = min(max(MAX_SEGMENT_TOKENS, min_seg), (longest - HEAD_TOKENS - 2 * QUESTION_TOKENS) // 3)
+    if seg < min_seg:
         logger.info("warm-up skipped: %d-token pool, max_model_len %d", capacity, engine.max_model_len)
         return 0.0
     rng = np.random.default_rng(0)
