@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 from sparsex.config import CACHE_MODES
 
 DEFAULT_MODEL = "smollm2-135m-instruct"    # = sparsex.models.loader.DEFAULT_MODEL, without importing torch
-DTYPES = ("bfloat16", "float32", "float16")
+DTYPES = ("auto", "bfloat16", "float32", "float16")
 EXIT_USAGE = 2
 
 
@@ -82,7 +82,8 @@ def _add_generate(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache", choices=CACHE_MODES, default="prefix")
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="auto (default): bfloat16 where the CPU runs it natively, else float32")
     p.add_argument("--chat", action="store_true", help="wrap PROMPT as a user message in the chat template")
     p.add_argument("--system", default=None, help="with --chat: a system message")
     p.set_defaults(func=_run_generate)
@@ -93,7 +94,8 @@ def _add_demo(sub, common: argparse.ArgumentParser) -> None:
                        description="Run a small interleaved RAG + chat workload with KV reuse, print each "
                                    "answer with its TTFT and cache counters, then compare with cache=none.")
     p.add_argument("--cache", choices=CACHE_MODES, default="sparsex")
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="auto (default): bfloat16 where the CPU runs it natively, else float32")
     p.add_argument("--max-tokens", type=positive_int, default=24)
     p.add_argument("--quick", action="store_true", help="3 short requests (a smoke test)")
     p.add_argument("--no-compare", action="store_true", help="skip the cache=none rerun")

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from sparsex.bench.workloads import Request, chat_workload, rag_workload
 from sparsex.engine.llm_engine import EngineStats
+from sparsex.config import parse_dtype
 from sparsex.entrypoints.llm import LLM
 from sparsex.outputs import RequestOutput
 from sparsex.sampling_params import SamplingParams
@@ -28,7 +29,7 @@ _QUESTION_WIDTH = 96
 class DemoConfig:
     model: str = "smollm2-135m-instruct"
     cache: str = "sparsex"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"               # bfloat16 where the CPU runs it natively, else float32
     max_tokens: int = 24
     quick: bool = False               # 3 short requests: for tests and a first look
     compare: bool = True              # rerun the requests with cache="none"
@@ -140,7 +141,8 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> int:
     cfg.verify()
     console = console or Console(highlight=False)
     t0 = time.perf_counter()
-    console.print(f"loading {cfg.model} ({cfg.dtype}, cache={cfg.cache}) ...")
+    dtype = str(parse_dtype(cfg.dtype)).removeprefix("torch.")
+    console.print(f"loading {cfg.model} ({dtype}, cache={cfg.cache}) ...")
     llm = LLM(model=cfg.model, dtype=cfg.dtype, cache=cfg.cache, seed=cfg.seed)
     requests = demo_requests(llm.get_tokenizer(), cfg.quick, cfg.seed)
     console.print(f"{len(requests)} requests (RAG over Wikipedia passages + multi-turn chat), "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sparsex import LLM, SamplingParams
 
@@ -145,3 +146,37 @@ def test_outputs_carry_metrics_and_logprobs(llm_prefix):
     assert len(o.outputs[0].logprobs) == 4
     for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids):
         assert t in d and len(d) >= 3 and d[t] == max(d.values())         # greedy: the top token
+
+
+def test_dtype_auto_follows_native_bf16(monkeypatch):
+    from sparsex import config
+
+    assert config.parse_dtype("auto", "cuda") == torch.bfloat16
+    assert config.parse_dtype("auto", "cuda:1") == torch.bfloat16
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: True)
+    assert config.parse_dtype("auto", "cpu") == torch.bfloat16
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: False)
+    assert config.parse_dtype("auto", "cpu") == torch.float32
+    assert config.EngineConfig(dtype="auto").torch_dtype == torch.float32
+    with pytest.raises(ValueError, match="'bf17'"):
+        config.parse_dtype("bf17")
+
+
+def test_bf16_without_native_support_keeps_plain_linears(monkeypatch, smollm2, wiki_texts):
+    """An AVX2-only CPU cannot reorder bf16 weights for oneDNN (it raises at load time): the engine
+    must then keep F.linear, and still serve the same greedy text as a prepacked engine would."""
+    from sparsex.layers import packed_linear
+
+    monkeypatch.setattr(packed_linear, "cpu_has_native_bf16", lambda: False)
+    assert not packed_linear.prepack_supported(torch.device("cpu"), torch.bfloat16)
+    assert packed_linear.prepack_supported(torch.device("cpu"), torch.float32)
+    llm = LLM(cache="prefix", dtype="bfloat16", seed=0)
+    model = llm.llm_engine.runner.model
+    assert not any(isinstance(m, packed_linear.PackedLinear) for m in model.modules())
+    prompt = wiki_texts[0][:600]
+    out = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) > 0
+    ref = LLM(cache="none", dtype="float32", seed=0).generate(prompt, GREEDY, use_tqdm=False)[0]
+    # bf16 against fp32 on real text: the first greedy tokens agree
+    assert out.outputs[0].token_ids[:4] == ref.outputs[0].token_ids[:4]
+    llm.llm_engine.check_integrity()

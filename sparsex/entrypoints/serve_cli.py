@@ -44,7 +44,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache", choices=CACHE_MODES, default=e["cache"],
                    help="KV reuse: none, prefix (exact prefix caching), "
                         "sparsex (prefix + segment reuse: approximate KV for reused segments)")
-    g.add_argument("--dtype", default=e["dtype"], help="float32 | bfloat16 | float16")
+    g.add_argument("--dtype", default=e["dtype"], help="float32 | bfloat16 | float16 | auto (bfloat16 where the CPU runs it natively)")
     g.add_argument("--device", default=e["device"], help="cpu | cuda | cuda:N")
     g.add_argument("--seed", type=int, default=e["seed"])
     g.add_argument("--block-size", type=int, default=e["block_size"])

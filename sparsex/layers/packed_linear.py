@@ -11,12 +11,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sparsex.config import cpu_has_native_bf16
+
 _BATCH_HINT = 8          # oneDNN picks the blocking for this many rows; it matters little (+-5%)
 
 
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """oneDNN reorders bf16 weights only on CPUs with native bf16 conversion (AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT); an AVX2-only CPU (e.g. AMD Zen 3) raises at reorder time, so it keeps F.linear."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    return dtype == torch.float32 or cpu_has_native_bf16()
 
 
 class PackedLinear(nn.Module):
