@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from sparsex.bench import workload_bench as wb
 from sparsex.bench.policies import NAMED_POLICIES, SWEEP_FULL_LAYERS, SWEEP_RATIOS, parse_policies, sweep_policies
@@ -252,12 +253,20 @@ def _cli(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.Comp
     (("--stream", "--kv-fraction", "2"), "kv_fraction"),
     (("--peer", "sglang"), "--peer"),
     (("--threads", "0"), "--threads"),
+    (("--device", "tpu"), "device must be"),
+    (("--stream", "--device", "cuda"), "--stream runs on the CPU only"),
 ])
 def test_bad_arguments_exit_2(args, needle, tmp_path) -> None:
     proc = _cli(*args, "--out", str(tmp_path))
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert needle in proc.stderr and "Traceback" not in proc.stderr
     assert not any(tmp_path.iterdir())                     # failed before writing anything
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_device_cuda_without_cuda_exits_2(tmp_path) -> None:
+    proc = _cli("--device", "cuda", "--out", str(tmp_path))
+    assert proc.returncode == 2 and "CUDA is not available" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_argparse_errors_exit_2() -> None:

@@ -88,6 +88,11 @@ class WorkloadParams:
     seed: int = 0
 
 
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
 @dataclass
 class WorkloadBenchConfig:
     workload: str = "rag"
@@ -95,6 +100,7 @@ class WorkloadBenchConfig:
     sweep: bool = False
     model: str = DEFAULT_MODEL
     dtype: str = "float32"
+    device: str = "cpu"                  # "cuda": replay on a GPU (fidelity at scale; its TTFT is not the CPU's)
     params: WorkloadParams = field(default_factory=WorkloadParams)
     fidelity_tokens: int = 24            # teacher-forced continuation length
     fidelity_every: int = 1              # fidelity on requests 0, N, 2N, ...; 0 = no fidelity
@@ -110,6 +116,10 @@ class WorkloadBenchConfig:
     def verify(self) -> None:
         if self.workload not in WORKLOADS:
             raise ValueError(f"unknown workload {self.workload!r}; choose one of {WORKLOADS}")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda") and not _cuda_available():
+            raise ValueError(f"device {self.device!r}: CUDA is not available here")
         _positive("fidelity_tokens", self.fidelity_tokens)
         _positive("answer_tokens", self.answer_tokens)
         if not isinstance(self.fidelity_every, int) or self.fidelity_every < 0:
@@ -359,8 +369,8 @@ class EngineCache:
     Policies with the same cache mode share an engine: `take` clears its caches first. Roles:
     "timed" (the measured replay, and for cache="none" the reference) and "twin" (fidelity)."""
 
-    def __init__(self, model: str, dtype: str, seed: int = 0):
-        self.model, self.dtype, self.seed = model, dtype, seed
+    def __init__(self, model: str, dtype: str, seed: int = 0, device: str = "cpu"):
+        self.model, self.dtype, self.seed, self.device = model, dtype, seed, device
         self._engines: dict[tuple[str, str, str, int], tuple[LLMEngine, PlanRecorder]] = {}
 
     def take(self, cache: str, role: str, num_blocks: int, eviction: str = "frequency",
@@ -370,7 +380,7 @@ class EngineCache:
 
         key = (cache, role, eviction, num_blocks)
         if key not in self._engines:
-            engine = LLMEngine(EngineConfig(model=self.model, dtype=self.dtype, cache=cache, seed=self.seed,
+            engine = LLMEngine(EngineConfig(model=self.model, dtype=self.dtype, device=self.device, cache=cache, seed=self.seed,
                                             num_blocks=num_blocks, segment_eviction=eviction,
                                             reuse=ReuseConfig()))
             if warm:
@@ -669,8 +679,8 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
     if cfg.sweep:
         policies += [p for p in sweep_policies() if p.name not in {q.name for q in policies}]
     own = engines is None
-    engines = engines or EngineCache(cfg.model, cfg.dtype)
-    env = environment(cfg.model, cfg.dtype)
+    engines = engines or EngineCache(cfg.model, cfg.dtype, device=cfg.device)
+    env = environment(cfg.model, cfg.dtype, cfg.device)
     t_start = time.time()
 
     w = _tokenized_workload(engines, lambda tok: build_workload(cfg, tok), prewarm=cfg.prewarm,
@@ -885,7 +895,8 @@ def write_outputs(out: str, cfg: WorkloadBenchConfig, policies: list[Policy], re
                 "passage (untimed)") if cfg.prewarm else ""
         f.write(f"{cfg.workload}: {env['num_requests']} requests{warm}, fidelity on {env['fidelity_requests']} "
                 f"({cfg.fidelity_tokens} teacher-forced tokens); {env['model']} {env['dtype']}, "
-                f"{env['torch_threads']} thread(s), {env['cpu']}, load {env['load_avg_start']:.1f}→"
+                f"{env['gpu'] or str(env['torch_threads']) + ' thread(s), ' + env['cpu']}, "
+                f"load {env['load_avg_start']:.1f}→"
                 f"{env['load_avg_end']:.1f}\n\n")
         f.write(summary_markdown(summaries, cfg.fidelity_tokens))
         fid = fidelity_markdown(summaries)
@@ -905,7 +916,7 @@ def _loadavg() -> float:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
 
-def environment(model: str, dtype: str) -> dict:
+def environment(model: str, dtype: str, device: str = "cpu") -> dict:
     import torch
     cpu = platform.processor() or "unknown"
     try:
@@ -918,7 +929,9 @@ def environment(model: str, dtype: str) -> dict:
                                 cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
-    return {"model": model, "dtype": dtype, "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+    gpu = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else None
+    return {"model": model, "dtype": dtype, "device": device, "gpu": gpu, "cpu": cpu, "cores": os.cpu_count(),
+            "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "load_avg_start": _loadavg(), "commit": commit,
             "python": platform.python_version(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 
@@ -1225,6 +1238,7 @@ def add_workload_bench_parser(subparsers: argparse._SubParsersAction) -> argpars
                    help="also run recompute_ratio {0..1} x full_layers {0,1,2,4} (Pareto front)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--device", default="cpu", help="cpu | cuda: where the engines run (rag/chat/agent replays)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (on a busy shared CPU, 1 is often much faster)")
     p.add_argument("--out", default="workload_bench_out", help="directory for JSON/CSV/markdown")
@@ -1286,6 +1300,8 @@ def run_workload_bench_cli(args: argparse.Namespace) -> int:
     if args.stream:
         if args.workload != "rag":
             raise ValueError(f"--stream replays the rag workload; got --workload {args.workload!r}")
+        if args.device != "cpu":
+            raise ValueError(f"--stream runs on the CPU only; got --device {args.device!r}")
         cfg = StreamConfig(model=args.model, dtype=args.dtype, queries=_pick(args.queries, StreamConfig.queries),
                            k=_pick(args.k, StreamConfig.k), num_passages=_pick(args.num_passages, StreamConfig.num_passages),
                            passage_tokens=_pick(args.passage_tokens, StreamConfig.passage_tokens), zipf_a=args.zipf_a,
@@ -1303,7 +1319,7 @@ def run_workload_bench_cli(args: argparse.Namespace) -> int:
         results_per_call=args.results_per_call, num_docs=args.num_docs,
         tool_apis=tuple(a.strip() for a in args.tool_apis.split(",") if a.strip()), zipf_a=args.zipf_a, seed=args.seed)
     cfg = WorkloadBenchConfig(workload=args.workload, policies=args.policies, sweep=args.sweep, model=args.model,
-                              dtype=args.dtype, params=params, fidelity_tokens=args.fidelity_tokens,
+                              dtype=args.dtype, device=args.device, params=params, fidelity_tokens=args.fidelity_tokens,
                               fidelity_every=args.fidelity_every, answer_tokens=args.answer_tokens,
                               num_blocks=args.num_blocks, prewarm=args.prewarm, out=args.out,
                               plot_dir=args.plot_dir, progress=not args.no_progress)
