@@ -19,6 +19,11 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def verify_device(device: str) -> None:
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+
+
 def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     """"auto" is bfloat16 on a GPU and on a CPU with native bf16 GEMMs, float32 on other CPUs."""
     if isinstance(dtype, torch.dtype):
@@ -120,7 +125,7 @@ class EngineConfig:
     warmup: bool | None = None
 
     def __post_init__(self) -> None:
-        self.torch_dtype = parse_dtype(self.dtype, str(self.device))
+        self.torch_dtype = parse_dtype(self.dtype, self.device)
         if self.reuse is None:
             self.reuse = ReuseConfig()
         if self.cache not in CACHE_MODES:
@@ -137,8 +142,7 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
         if self.segment_eviction not in ("lru", "frequency"):
             raise ValueError(f"segment_eviction must be 'lru' or 'frequency', got {self.segment_eviction!r}")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        verify_device(self.device)
         if self.warmup not in (None, True, False):
             raise ValueError(f"warmup must be True, False or None (on for CUDA), got {self.warmup!r}")
         self.reuse.verify()

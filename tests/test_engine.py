@@ -162,6 +162,12 @@ def test_dtype_auto_follows_native_bf16(monkeypatch):
         config.parse_dtype("bf17")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_without_cuda_is_a_clear_error():
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        LLM(device="cuda", dtype="float32")
+
+
 def test_bf16_without_native_support_keeps_plain_linears(monkeypatch, smollm2, wiki_texts):
     """An AVX2-only CPU cannot reorder bf16 weights for oneDNN (it raises at load time): the engine
     must then keep F.linear, and still serve the same greedy text as a prepacked engine would."""

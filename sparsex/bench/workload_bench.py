@@ -88,11 +88,6 @@ class WorkloadParams:
     seed: int = 0
 
 
-def _cuda_available() -> bool:
-    import torch
-    return torch.cuda.is_available()
-
-
 @dataclass
 class WorkloadBenchConfig:
     workload: str = "rag"
@@ -116,10 +111,8 @@ class WorkloadBenchConfig:
     def verify(self) -> None:
         if self.workload not in WORKLOADS:
             raise ValueError(f"unknown workload {self.workload!r}; choose one of {WORKLOADS}")
-        if self.device != "cpu" and not self.device.startswith("cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.device.startswith("cuda") and not _cuda_available():
-            raise ValueError(f"device {self.device!r}: CUDA is not available here")
+        from sparsex.config import verify_device
+        verify_device(self.device)           # CUDA's presence is checked by the first engine, before it loads
         _positive("fidelity_tokens", self.fidelity_tokens)
         _positive("answer_tokens", self.answer_tokens)
         if not isinstance(self.fidelity_every, int) or self.fidelity_every < 0:
@@ -680,11 +673,10 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
         policies += [p for p in sweep_policies() if p.name not in {q.name for q in policies}]
     own = engines is None
     engines = engines or EngineCache(cfg.model, cfg.dtype, device=cfg.device)
-    env = environment(cfg.model, cfg.dtype, cfg.device)
     t_start = time.time()
-
     w = _tokenized_workload(engines, lambda tok: build_workload(cfg, tok), prewarm=cfg.prewarm,
                             make_preamble=lambda tok, used: ingestion_preamble(cfg, tok, used))
+    env = environment(cfg.model, cfg.dtype, cfg.device)     # after the first engine: it checks the device
     requests, prompts, flops, bs = w.requests, w.prompts, w.flops, w.block_size
     if own:
         engines.release("none")

@@ -46,6 +46,8 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        if config.device != "cpu" and not torch.cuda.is_available():       # before loading any weights
+            raise ValueError(f"device {config.device!r}: CUDA is not available here (torch {torch.__version__})")
         loaded = load_model(config.model, dtype=torch.float32, cache_dir=config.cache_dir, seed=config.seed,
                             dummy_weights=False)
         self.model_name = loaded.name
