@@ -620,7 +620,7 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM,
             _ttft(llm_none, prompt(99, rand_ids(48)), "warm-none")
             warm["sys"] = 1
         for vi, (label, rv) in enumerate(variants):
-            reuse = dataclasses.replace(llm_sx.config.reuse, **(rv or {}))
+            reuse = dataclasses.replace(llm_sx.config.reuse, **(rv or {})).resolved(cfg.num_hidden_layers)
             v0 = 100 * vi           # this variant's orders
             # one untimed blended request first: the first blend of a process compiles the blend's
             # kernels (seconds), which would otherwise be one of the interleaved replay's three samples

@@ -1,6 +1,7 @@
 """Engine configuration: every knob of `LLM(...)` / `sparsex serve`, validated up front."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -8,6 +9,7 @@ import torch
 CACHE_MODES = ("none", "prefix", "sparsex")
 SELECTORS = ("sparse_q", "kv_deviation", "boundary", "random", "none", "all")
 PROBE_SELECTORS = ("kv_deviation", "sparse_q")     # score tokens with a probe on a full layer
+AUTO_RESCORE_LAYERS = 2     # sparse_q's second probe, this many layers below its first (ReuseConfig.resolved)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -39,7 +41,10 @@ def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 class ReuseConfig:
     """Segment-reuse knobs (engine defaults; each can be overridden per request)."""
     full_layers: int = 2                 # layers 0..full_layers-1 run every token
-    recompute_ratio: float = 0.15        # share of reused tokens recomputed in the sparse layers
+    # share of reused tokens recomputed in the sparse layers. 0.125 with sparse_q's two stages (below)
+    # costs what one stage at 0.15 cost (token-layers and the H200's 8k step) at lower KL:
+    # docs/benchmarks.md, "fifteenth session"
+    recompute_ratio: float = 0.125
     selector: str = "sparse_q"
     boundary_tokens: int = 0             # also recompute the first k tokens of each reused segment
     # sparse_q spends this share of its budget on the first tokens of each reused segment (split
@@ -62,8 +67,9 @@ class ReuseConfig:
     # two-stage selection: the first selection (layer F-1) keeps `candidate_ratio` of the reused
     # tokens as candidates; they run `rescore_layers` more layers, where a second probe scores them
     # again (from fresher, deeper K/V) and keeps `recompute_ratio` for the remaining layers.
-    # 0 = one stage. docs/benchmarks.md, "two-stage selection".
-    rescore_layers: int = 0
+    # 0 = one stage. None (the default) = AUTO_RESCORE_LAYERS for sparse_q where two stages apply
+    # (`resolved`), one stage for every other selector. docs/benchmarks.md, "two-stage selection".
+    rescore_layers: int | None = None
     candidate_ratio: float = 0.5
 
     def verify(self, num_layers: int | None = None) -> None:
@@ -89,8 +95,8 @@ class ReuseConfig:
             raise ValueError(f"approx_prefix must be a bool, got {self.approx_prefix!r}")
         if self.selector in PROBE_SELECTORS and self.full_layers < 1:
             raise ValueError(f"selector {self.selector!r} scores tokens with a full layer: full_layers must be >= 1")
-        if not isinstance(self.rescore_layers, int) or self.rescore_layers < 0:
-            raise ValueError(f"rescore_layers must be an integer >= 0, got {self.rescore_layers!r}")
+        if self.rescore_layers is not None and (not isinstance(self.rescore_layers, int) or self.rescore_layers < 0):
+            raise ValueError(f"rescore_layers must be an integer >= 0 or None (auto), got {self.rescore_layers!r}")
         if not isinstance(self.candidate_ratio, (int, float)) or not 0.0 <= self.candidate_ratio <= 1.0:
             raise ValueError(f"candidate_ratio must be in [0, 1], got {self.candidate_ratio!r}")
         if self.rescore_layers:
@@ -102,6 +108,16 @@ class ReuseConfig:
             if num_layers is not None and self.full_layers + self.rescore_layers > num_layers:
                 raise ValueError(f"full_layers + rescore_layers = {self.full_layers + self.rescore_layers} "
                                  f"exceeds the model's {num_layers} layers")
+
+    def resolved(self, num_layers: int) -> ReuseConfig:
+        """This config with `rescore_layers=None` made explicit: AUTO_RESCORE_LAYERS for sparse_q when
+        its candidates outnumber what it keeps (candidate_ratio > recompute_ratio) and the model has the
+        layers for it; 0 (one stage) otherwise, e.g. recompute_ratio=1.0 or selector="boundary"."""
+        if self.rescore_layers is not None:
+            return self
+        two_stage = (self.selector == "sparse_q" and self.candidate_ratio > self.recompute_ratio
+                     and self.full_layers + AUTO_RESCORE_LAYERS <= num_layers)
+        return dataclasses.replace(self, rescore_layers=AUTO_RESCORE_LAYERS if two_stage else 0)
 
 
 @dataclass

@@ -92,7 +92,7 @@ def test_every_cache_policy_runs(cache, cpu_greedy):
     llm.llm_engine.check_integrity()
 
 
-@pytest.mark.parametrize("rescore_layers", [0, 2])
+@pytest.mark.parametrize("rescore_layers", [0, 2, None])   # None: the default (two stages)
 def test_cuda_selection_scores_equal_the_torch_selectors(cpu_greedy, rescore_layers):
     """The blender's CUDA scores (triton_probe: the deviation before the layer's K/V store, the query
     mass from the paged cache after it) equal the torch selectors' on the same step's tensors, at
@@ -132,9 +132,9 @@ def test_cuda_selection_scores_equal_the_torch_selectors(cpu_greedy, rescore_lay
         checked.append(layer_idx)
         return out
     blender._probe, blender._finish_sparse_q = checked_probe, checked_finish
-    reuse = {"rescore_layers": rescore_layers, "candidate_ratio": 0.5} if rescore_layers else None
+    reuse = None if rescore_layers is None else {"rescore_layers": rescore_layers, "candidate_ratio": 0.5}
     out = llm.generate({"segments": [sys_ids, *passages[2:], *passages[:2], question]}, params,
                        use_tqdm=False, reuse=reuse)[0]
     assert out.num_reused_tokens > 0
-    assert checked == ([1, 3] if rescore_layers else [1])
+    assert checked == ([1] if rescore_layers == 0 else [1, 3])
     llm.llm_engine.check_integrity()

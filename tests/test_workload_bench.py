@@ -167,7 +167,7 @@ def test_policies() -> None:
     assert NAMED_POLICIES["naive"].overrides["recompute_ratio"] == 0.0
     assert NAMED_POLICIES["sparsex"].overrides is None                  # engine defaults
     assert NAMED_POLICIES["sparsex"].knobs().min_blend_tokens == 256
-    assert NAMED_POLICIES["sparsex-every-hit"].overrides == {"min_blend_tokens": 0}
+    assert NAMED_POLICIES["sparsex-every-hit"].overrides == {"min_blend_tokens": 0, "rescore_layers": None}
     # the baselines and rule specs blend every hit, as the papers' rules do
     for name in ("naive", "epic16", "epic32", "cacheblend"):
         assert NAMED_POLICIES[name].knobs().min_blend_tokens == 0, name
@@ -182,10 +182,21 @@ def test_policies() -> None:
     two = parse_policies("sparse_q:2:0.15:rescore_layers=2:candidate_ratio=0.4")[0].knobs()
     assert (two.rescore_layers, two.candidate_ratio, two.full_layers, two.min_blend_tokens) == (2, 0.4, 2, 0)
     assert parse_policies("sparse_q:2:0.15:0:approx_prefix=false")[0].knobs().approx_prefix is False
+    # custom specs and baselines select in one stage unless they say so; `sparsex` is the engine's
+    # default, two stages for sparse_q (rescore_layers=None, resolved per request)
+    assert parse_policies("sparse_q:2:0.15")[0].knobs().rescore_layers == 0
+    assert NAMED_POLICIES["cacheblend"].knobs().rescore_layers == 0
+    assert NAMED_POLICIES["sparsex"].knobs().rescore_layers is None
+    assert NAMED_POLICIES["sparsex"].knobs().resolved(30).rescore_layers == 2
+    assert NAMED_POLICIES["sparsex-every-hit"].knobs().resolved(30).rescore_layers == 2
+    auto = parse_policies("sparse_q:2:0.125:rescore_layers=auto")[0].knobs()
+    assert auto.rescore_layers is None and auto.resolved(30) == NAMED_POLICIES["sparsex-every-hit"].knobs().resolved(30)
     # the GPU benchmark's --variants name every field, the positional ones too
     from sparsex.bench.policies import parse_knob
     assert parse_knob("recompute_ratio=0.13", positional=True) == ("recompute_ratio", 0.13)
     assert parse_knob("full_layers=3", positional=True) == ("full_layers", 3)
+    assert parse_knob("rescore_layers=0", positional=True) == ("rescore_layers", 0)
+    assert type(parse_knob("rescore_layers=2")[1]) is int
     assert parse_knob("selector=kv_deviation", positional=True) == ("selector", "kv_deviation")
     with pytest.raises(ValueError, match="unknown knob"):
         parse_knob("recompute_ratio=0.13")                   # positional in a policy string

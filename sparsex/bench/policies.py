@@ -12,12 +12,15 @@ overrides (`LLMEngine.add_request(..., reuse=...)`). Named policies:
               K/V deviation of every row at layer 1, the top 15% recomputed from there on
               (kv_deviation, F=2, 0.15). Not F=1: layer 0's K/V depend only on token and position,
               so a deviation measured there is the re-rotation's rounding, not context
-  sparsex     the engine's defaults (`ReuseConfig()`: sparse_q, F=2, 0.15; a request whose segment
-              hits total fewer than `min_blend_tokens` = 256 tokens is not blended but served exact)
+  sparsex     the engine's defaults (`ReuseConfig()`: sparse_q, F=2, two stages: 50% candidates
+              re-scored 2 layers deeper, 12.5% kept; a request whose segment hits total fewer than
+              `min_blend_tokens` = 256 tokens is not blended but served exact)
   sparsex-every-hit  the same, blending every hit however few tokens (min_blend_tokens=0)
 
-The baselines (naive, epic, cacheblend), custom specs and the sweep grid name selection rules and
-blend every hit, as the papers' rules do (min_blend_tokens=0); every other knob is the engine's.
+The baselines (naive, epic, cacheblend), custom specs and the sweep grid name selection rules:
+they blend every hit, as the papers' rules do (min_blend_tokens=0), and select in one stage
+(rescore_layers=0: ``sparse_q:2:0.15`` means what it meant before the default became two-stage);
+every other knob is the engine's.
 
 `sweep_policies()` gives the recompute_ratio x full_layers grid for the Pareto front. The default
 selector scores tokens with a probe on layer F-1, so F=0 points use the boundary selector (the only
@@ -65,8 +68,10 @@ class Policy:
 
 
 def _sparsex(name: str, description: str, family: str = "named", **reuse) -> Policy:
-    """A selection-rule policy: it blends every hit (min_blend_tokens=0) unless it says otherwise."""
+    """A selection-rule policy: it blends every hit (min_blend_tokens=0) and selects in one stage
+    (rescore_layers=0) unless it says otherwise."""
     reuse.setdefault("min_blend_tokens", 0)
+    reuse.setdefault("rescore_layers", 0)
     cfg = dataclasses.replace(ReuseConfig(), **reuse)
     cfg.verify()                    # a bad knob fails here, as a ValueError, before any model loads
     return Policy(name, "sparsex", tuple(sorted(reuse.items())), description, family)
@@ -86,9 +91,10 @@ def _named() -> dict[str, Policy]:
         _sparsex("cacheblend", "K/V deviation at layer 1 (after one full layer), recompute 15%",
                  selector="kv_deviation", full_layers=2, recompute_ratio=0.15, boundary_tokens=0),
         Policy("sparsex", "sparsex",
-               description=f"engine defaults: {d.selector}, F={d.full_layers}, r={d.recompute_ratio}, "
-                           f"blends from {d.min_blend_tokens} hit tokens"),
-        _sparsex("sparsex-every-hit", "engine defaults, but blends whatever it hits (min_blend_tokens=0)"),
+               description=f"engine defaults: {d.selector}, F={d.full_layers}, r={d.recompute_ratio}, two stages "
+                           f"(candidates {d.candidate_ratio}), blends from {d.min_blend_tokens} hit tokens"),
+        _sparsex("sparsex-every-hit", "engine defaults, but blends whatever it hits (min_blend_tokens=0)",
+                 rescore_layers=d.rescore_layers),
     )}
 
 
@@ -111,6 +117,10 @@ def parse_knob(item: str, spec: str | None = None, positional: bool = False) -> 
     kind = types.get(name)
     if kind is None:
         raise ValueError(f"policy {spec!r}: unknown knob {name!r}; choose one of {sorted(types)}")
+    if isinstance(kind, str) and kind.endswith(" | None"):          # rescore_layers: None = the default
+        if text in ("none", "auto"):
+            return name, None
+        kind = kind[: -len(" | None")]
     if kind in (str, "str"):
         return name, text
     try:

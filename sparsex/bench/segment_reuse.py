@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     flops = FlopModel.from_config(ref.model_config)
     rows, per_query = [], {}
     for sel, F, ratio in variants:
-        reuse = {"selector": sel, "full_layers": F, "recompute_ratio": ratio}
+        reuse = {"selector": sel, "full_layers": F, "recompute_ratio": ratio, "rescore_layers": 0}   # one-stage rules
         sel0 = pol.runner.blender.selection_seconds
         results = [teacher_forced(pol, ev, cont, lps, reuse=reuse) for (ev, _), (cont, lps) in zip(pairs, refs)]
         sel_s = pol.runner.blender.selection_seconds - sel0

@@ -550,7 +550,7 @@ def replay_policy(cfg: WorkloadBenchConfig, policy: Policy, timed: LLMEngine, pl
     reuse = policy.overrides
     F = policy.full_layers(flops.num_layers)
     knobs = policy.knobs()
-    rescore = knobs.rescore_layers if knobs is not None else 0
+    rescore = knobs.resolved(flops.num_layers).rescore_layers if knobs is not None else 0
     records = []
     for i in _progress(range(len(requests)), f"{cfg.workload}/{policy.name}", cfg.progress):
         req, prompt = requests[i], prompts[i]

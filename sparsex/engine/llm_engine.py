@@ -102,15 +102,18 @@ class LLMEngine:
     def _reuse_for(self, overrides: dict | None) -> ReuseConfig | None:
         if not self.config.enable_segment_reuse:
             return None
+        num_layers = self.model_config.num_hidden_layers
         if not overrides:
-            return self.config.reuse
+            return self.config.reuse.resolved(num_layers)
         fields = {f.name for f in dataclasses.fields(ReuseConfig)}
         unknown = set(overrides) - fields
         if unknown:
             raise ValueError(f"unknown segment-reuse option(s) {sorted(unknown)}; known: {sorted(fields)}")
         reuse = dataclasses.replace(self.config.reuse, **overrides)
-        reuse.verify(self.model_config.num_hidden_layers)
-        return reuse
+        reuse.verify(num_layers)
+        # resolved per request, after the overrides: the engine's rescore_layers=None follows an
+        # overridden selector or recompute_ratio (e.g. selector="boundary" runs one stage)
+        return reuse.resolved(num_layers)
 
     def add_request(self, request_id: str, prompt: Any | TokenizedPrompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, reuse: dict | None = None) -> None:

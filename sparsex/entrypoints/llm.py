@@ -12,6 +12,9 @@ from sparsex.outputs import RequestOutput
 from sparsex.sampling_params import SamplingParams
 
 
+_R = ReuseConfig()      # the segment-reuse defaults, one source: config.ReuseConfig
+
+
 class LLM:
     """llm = LLM(model="smollm2-135m-instruct", dtype="float32", cache="prefix", seed=0)
 
@@ -26,11 +29,12 @@ class LLM:
                  seed: int = 0, device: str = "cpu", block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: int = 1 << 30, max_model_len: int | None = None,
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 64,
-                 full_layers: int = 2, recompute_ratio: float = 0.15, selector: str = "sparse_q",
-                 boundary_tokens: int = 0, boundary_share: float = 0.25, min_segment_tokens: int = 16,
-                 min_context_tokens: int = 128,
-                 min_blend_tokens: int = 256, rescore_layers: int = 0, candidate_ratio: float = 0.5,
-                 approx_prefix: bool = True,
+                 full_layers: int = _R.full_layers, recompute_ratio: float = _R.recompute_ratio,
+                 selector: str = _R.selector, boundary_tokens: int = _R.boundary_tokens,
+                 boundary_share: float = _R.boundary_share, min_segment_tokens: int = _R.min_segment_tokens,
+                 min_context_tokens: int = _R.min_context_tokens, min_blend_tokens: int = _R.min_blend_tokens,
+                 rescore_layers: int | None = _R.rescore_layers, candidate_ratio: float = _R.candidate_ratio,
+                 approx_prefix: bool = _R.approx_prefix,
                  segment_eviction: str = "frequency", cache_dir: str | None = None, warmup: bool | None = None):
         reuse = ReuseConfig(full_layers=full_layers, recompute_ratio=recompute_ratio, selector=selector,
                             boundary_tokens=boundary_tokens, boundary_share=boundary_share,

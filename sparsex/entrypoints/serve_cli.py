@@ -72,7 +72,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "tokens (below it they are recomputed and the request stays exact); 0 = always")
     g.add_argument("--rescore-layers", type=int, default=r["rescore_layers"],
                    help="segment reuse, two-stage selection: the first selection keeps --candidate-ratio of the "
-                        "reused tokens, which run this many more layers and are scored again there; 0 = one stage")
+                        "reused tokens, which run this many more layers and are scored again there; 0 = one stage "
+                        "(default: 2 for sparse_q, one stage for the other selectors)")
     g.add_argument("--candidate-ratio", type=float, default=r["candidate_ratio"],
                    help="segment reuse, two-stage selection: share of reused tokens the first selection keeps")
     g.add_argument("--no-approx-prefix", dest="approx_prefix", action="store_false", default=r["approx_prefix"],

@@ -474,7 +474,8 @@ def selection_layer(reuse: ReuseConfig) -> int:
 
 def selection_layers(reuse: ReuseConfig) -> tuple[int, ...]:
     """Every layer inside which reused rows are dropped: the selection layer, and with two-stage
-    selection the layer `rescore_layers` deeper, whose probe re-scores the candidates."""
+    selection the layer `rescore_layers` deeper, whose probe re-scores the candidates. `reuse` is a
+    request's (`ReuseConfig.resolved`: rescore_layers is an int)."""
     first = selection_layer(reuse)
     return (first, first + reuse.rescore_layers) if reuse.rescore_layers else (first,)
 
