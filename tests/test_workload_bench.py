@@ -167,7 +167,7 @@ def test_policies() -> None:
     assert NAMED_POLICIES["naive"].overrides["recompute_ratio"] == 0.0
     assert NAMED_POLICIES["sparsex"].overrides is None                  # engine defaults
     assert NAMED_POLICIES["sparsex"].knobs().min_blend_tokens == 256
-    assert NAMED_POLICIES["sparsex-every-hit"].overrides == {"min_blend_tokens": 0, "rescore_layers": None}
+    assert NAMED_POLICIES["sparsex-every-hit"].overrides == {"min_blend_tokens": 0}
     # the baselines and rule specs blend every hit, as the papers' rules do
     for name in ("naive", "epic16", "epic32", "cacheblend"):
         assert NAMED_POLICIES[name].knobs().min_blend_tokens == 0, name

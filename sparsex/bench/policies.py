@@ -93,8 +93,9 @@ def _named() -> dict[str, Policy]:
         Policy("sparsex", "sparsex",
                description=f"engine defaults: {d.selector}, F={d.full_layers}, r={d.recompute_ratio}, two stages "
                            f"(candidates {d.candidate_ratio}), blends from {d.min_blend_tokens} hit tokens"),
-        _sparsex("sparsex-every-hit", "engine defaults, but blends whatever it hits (min_blend_tokens=0)",
-                 rescore_layers=d.rescore_layers),
+        # the engine's defaults with one change, not a selection rule: no _sparsex (which would make it one stage)
+        Policy("sparsex-every-hit", "sparsex", (("min_blend_tokens", 0),),
+               "engine defaults, but blends whatever it hits (min_blend_tokens=0)"),
     )}
 
 
