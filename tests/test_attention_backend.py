@@ -51,12 +51,15 @@ def _metadata(seq_rows_pos: list[list[int]], seq_lens: list[int], tables: list[l
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("chunk_elems", [1 << 19, 64])   # one chunk per sequence / many small chunks
-@pytest.mark.parametrize("native", [True, False])
-def test_matches_reference_on_every_row_shape(monkeypatch, dtype, atol, chunk_elems, native):
+@pytest.mark.parametrize("native,native_multi", [(True, True), (True, False), (False, False)])
+def test_matches_reference_on_every_row_shape(monkeypatch, dtype, atol, chunk_elems, native, native_multi):
+    """(True, True): both native kernels (an AVX-512 CPU); (True, False): the native decode kernel and
+    GEMM row chunks for multi-row sequences (an AVX2-only CPU); (False, False): torch only."""
     if native and cpu_kernels.native() is None:
         pytest.skip("native CPU kernels not available")
     if not native:
         monkeypatch.setattr(cpu_kernels, "native", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "multi_row_preferred", lambda: native_multi)
     monkeypatch.setattr(ab, "_CHUNK_SCORE_ELEMS", chunk_elems)
     monkeypatch.setattr(ab, "_MIN_CHUNK", 4)
     g = torch.Generator().manual_seed(0)
@@ -85,7 +88,7 @@ def test_matches_reference_on_every_row_shape(monkeypatch, dtype, atol, chunk_el
     out = TorchAttentionBackend.attention(query, k_cache, v_cache, md, scale)
     plan = md.backend_plan
     assert isinstance(plan.single, ab._SingleRowBatch if native else ab._GatheredSingleRowBatch)
-    if native:                                            # the flash kernel: row chunks do not apply
+    if native_multi:                                      # the flash kernel: row chunks do not apply
         assert isinstance(plan.multi, ab._NativeMultiRowBatch) and plan.multi.query_start.numel() == 4
     else:
         assert len(plan.multi) == 3
@@ -123,3 +126,15 @@ def test_select_rows_with_given_counts_matches_the_derived_ones():
     assert derived.max_seqlen_q == given.max_seqlen_q == 3
     with pytest.raises(ValueError, match="rows_per_seq"):
         md.select_rows(keep, [3, 3])
+
+
+@pytest.mark.parametrize("capability,preferred", [("AVX512", True), ("AVX2", False), ("DEFAULT", False)])
+def test_flash_kernel_only_where_avx512(monkeypatch, capability, preferred):
+    """The multi-row kernel's 512-bit vectors spill on AVX2 (2-4.5x slower than the GEMM chunks there):
+    it is chosen by the CPU torch reports."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    cpu_kernels.multi_row_preferred.cache_clear()
+    try:
+        assert cpu_kernels.multi_row_preferred() is preferred
+    finally:
+        cpu_kernels.multi_row_preferred.cache_clear()

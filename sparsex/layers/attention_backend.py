@@ -15,9 +15,10 @@ How the CPU backend spends its time (2-core AVX-512 box, SmolLM2 shapes, measure
   models: torch's CPU flash kernel is ~7x slower on bf16 single-row queries than on float32.
 - Sequences with several rows (prefill, prefix-hit extend, chunked prefill, SparseX's sparse
   rows) go to the native flash-style kernel (cpu_kernels.multi_row_attention) under the same
-  conditions: tiles of rows x a KV head's query heads against key blocks, online softmax in float32,
-  scores never written to memory; 1.3-1.6x faster than the GEMM path below at 1k-4k tokens (bf16),
-  ~2x in float32. Without it they run as row chunks of two GEMMs each: a chunk only multiplies
+  conditions, on AVX-512 CPUs: tiles of rows x a KV head's query heads against key blocks, online
+  softmax in float32, scores never written to memory; 1.3-1.6x faster than the GEMM path below at
+  1k-4k tokens (bf16), ~2x in float32. On an AVX2-only CPU it was 2-4.5x slower than that path
+  (cpu_kernels.multi_row_preferred). Without it they run as row chunks of two GEMMs each: a chunk only multiplies
   against the keys up to its last row's position, and only the keys between its first and last
   row's positions need a mask. That skips the causal upper triangle like flash attention does,
   but with MKL/oneDNN GEMMs, which are ~1.5x faster than torch's CPU flash kernel at 1k-4k
@@ -131,9 +132,9 @@ def _native_multi(md: AttentionMetadata, seqs: list[int]) -> _NativeMultiRowBatc
 
 
 def build_plan(md: AttentionMetadata, block_size: int, num_kv_groups: int, dtype: torch.dtype,
-               native: bool) -> CpuAttentionPlan:
-    """`native`: one-row sequences go to cpu_kernels.decode_attention (else gathered SDPA), multi-row
-    ones to cpu_kernels.multi_row_attention (else GEMM row chunks)."""
+               native: bool, native_multi: bool) -> CpuAttentionPlan:
+    """`native`: one-row sequences go to cpu_kernels.decode_attention (else gathered SDPA);
+    `native_multi`: multi-row ones to cpu_kernels.multi_row_attention (else GEMM row chunks)."""
     positions = md.positions.tolist()
     cu = md.cu_seqlens_q_cpu
     single_rows, single_lens, single_seqs, multi_seqs = [], [], [], []
@@ -147,7 +148,7 @@ def build_plan(md: AttentionMetadata, block_size: int, num_kv_groups: int, dtype
             single_rows.append(q0)
             single_lens.append(positions[q0] + 1)
             single_seqs.append(s)
-        elif q1 > q0 and native:
+        elif q1 > q0 and native_multi:
             multi_seqs.append(s)
         elif q1 > q0:
             rows_pos = positions[q0:q1]
@@ -216,7 +217,8 @@ class TorchAttentionBackend:
             native = (head_dim in cpu_kernels.ATTENTION_HEAD_DIMS and k_cache.dtype == query.dtype
                       and md.positions.dtype == torch.int64 and md.block_tables.dtype == torch.int32
                       and cpu_kernels.supports(query, k_cache))
-            md.backend_plan = build_plan(md, k_cache.shape[1], groups, query.dtype, native)
+            md.backend_plan = build_plan(md, k_cache.shape[1], groups, query.dtype, native,
+                                         native and cpu_kernels.multi_row_preferred())
         plan: CpuAttentionPlan = md.backend_plan
         single, multi = plan.single, plan.multi
         if isinstance(single, _SingleRowBatch):
