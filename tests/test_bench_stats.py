@@ -115,8 +115,12 @@ def test_position_metrics_on_hand_made_distributions() -> None:
     want = (kl([0.7, 0.2, 0.1], [0.6, 0.3, 0.1]) + kl([0.46, 0.44, 0.1], [0.44, 0.46, 0.1])
             + kl([0.05, 0.9, 0.05], [0.5, 0.4, 0.1])) / 3
     assert m.kl == pytest.approx(want)
+    assert m.miss_positions == (1, 2)
+    assert m.position_kl == pytest.approx((kl([0.7, 0.2, 0.1], [0.6, 0.3, 0.1]), kl([0.46, 0.44, 0.1], [0.44, 0.46, 0.1]),
+                                           kl([0.05, 0.9, 0.05], [0.5, 0.4, 0.1])))
     same = compare_positions(ref, ref, [0, 0, 1])
     assert same.top1 == 1.0 and same.kl == pytest.approx(0.0) and same.match_len == 3 and same.miss_margins == ()
+    assert same.miss_positions == () and same.position_kl == pytest.approx((0.0, 0.0, 0.0))
     with pytest.raises(ValueError, match="one reference and one policy distribution"):
         compare_positions(ref, pol[:2], [0, 0, 1])
 
@@ -133,3 +137,36 @@ def test_summary_counts_top1_misses_and_near_ties() -> None:
     recs[1].miss_margins = None                      # a record from before the margins were kept
     s = wb.summarize("rag", parse_policies("sparsex")[0], recs, fm)
     assert s.top1_misses is None and "| — |" in wb.fidelity_markdown([s])
+
+
+def test_weighted_mean_and_its_interval() -> None:
+    # two requests: 1 of 2 positions right, 10 of 10 right -> 11 of 12 positions, not the requests' mean 0.75
+    ci = stats.bootstrap_mean([0.5, 1.0], weights=[2, 10])
+    assert ci.mean == pytest.approx(11 / 12)
+    assert 0.5 <= ci.low <= ci.mean <= ci.high <= 1.0
+    same = stats.bootstrap_mean([0.5, 1.0], weights=[3, 3])
+    assert same == stats.bootstrap_mean([0.5, 1.0])             # equal weights: the plain mean
+    d = stats.paired_difference([0.3, 0.1], [0.1, 0.1], weights=[1, 3])
+    assert d.mean == pytest.approx(0.05)
+    for bad in ([1, 2, 3], [1, 0], [1, float("inf")]):
+        with pytest.raises(ValueError, match="weight"):
+            stats.bootstrap_mean([0.5, 1.0], weights=bad)
+
+
+def test_summary_weighs_requests_by_their_teacher_forced_positions() -> None:
+    """A request whose reference stopped at EOS after 2 tokens counts 2 positions, one of 10 counts 10:
+    the summary's top-1 and KL are means over positions."""
+    short, long_ = _record("sparsex", 0, 0.04, 0.5), _record("sparsex", 1, 0.01, 1.0)
+    short.position_kl, short.miss_positions = [0.06, 0.02], [1]
+    long_.position_kl, long_.miss_positions = [0.01] * 10, []
+    fm = wb.FlopModel(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
+                      vocab=49152)
+    s = wb.summarize("rag", parse_policies("sparsex")[0], [short, long_], fm)
+    assert s.top1 == pytest.approx(11 / 12)
+    assert s.kl == pytest.approx((0.06 + 0.02 + 0.1) / 12)
+
+
+def test_reference_stops_at_eos_unless_asked_past_it() -> None:
+    assert wb._through_eos([5, 7, 2, 9, 2], (2,)) == [5, 7, 2]
+    assert wb._through_eos([5, 7], (2,)) == [5, 7]
+    assert wb._through_eos([], (2,)) == []

@@ -106,6 +106,23 @@ def test_rag_end_to_end(tmp_path, engines) -> None:
 
 
 @needs_smollm2
+def test_reference_continuation_stops_at_eos(engines) -> None:
+    """The fidelity reference is what a served request would produce: greedy tokens through the first
+    EOS (scored: stopping is a decision), at most fidelity_tokens. Past EOS the model writes template
+    tokens no user sees, which a policy nearly always agrees on; `past_eos` keeps them (fixed length)."""
+    engine, _ = engines.take("none", "timed", 64)
+    prompt = engine.chat_to_prompt([{"role": "user", "content": "What is the capital of France? Answer in one word."}])
+    stopped = wb.compute_reference(engine, prompt, 16, None)
+    past = wb.compute_reference(engine, prompt, 16, None, past_eos=True)
+    assert len(past.cont) == len(past.lps) == 16
+    assert stopped.cont[-1] in engine.eos_token_ids and len(stopped.cont) < 16       # "... Paris.<|im_end|>"
+    assert stopped.cont == past.cont[:len(stopped.cont)] and len(stopped.lps) == len(stopped.cont)
+    for a, b in zip(stopped.lps, past.lps):
+        assert torch.allclose(a, b)
+    engine.check_integrity()
+
+
+@needs_smollm2
 def test_rag_prewarm_ingests_every_passage_before_the_replay(tmp_path, engines) -> None:
     # cold, a passage hits only from its second query on; after ingesting the corpus every passage
     # of every query is a segment (or prefix) hit

@@ -33,6 +33,8 @@ class PositionMetrics:
     kl: float
     match_len: int
     miss_margins: tuple[float, ...]
+    position_kl: tuple[float, ...] = ()       # KL at each position of the continuation
+    miss_positions: tuple[int, ...] = ()      # positions of the top-1 disagreements
 
 
 @dataclass
@@ -46,6 +48,8 @@ class FidelityResult:
     num_reused_tokens: int
     num_recomputed_tokens: int
     miss_margins: tuple[float, ...] = ()
+    position_kl: tuple[float, ...] = ()
+    miss_positions: tuple[int, ...] = ()
 
 
 def compare_positions(ref_lps: list[torch.Tensor], pol_lps: list[torch.Tensor], cont: list[int]) -> PositionMetrics:
@@ -54,18 +58,19 @@ def compare_positions(ref_lps: list[torch.Tensor], pol_lps: list[torch.Tensor], 
     if not (len(ref_lps) == len(pol_lps) == len(cont)) or not cont:
         raise ValueError(f"need one reference and one policy distribution per continuation token, got "
                          f"{len(ref_lps)} / {len(pol_lps)} / {len(cont)}")
-    hits, kls, margins, match, diverged = 0, [], [], 0, False
-    for ref, pol, tok in zip(ref_lps, pol_lps, cont):
+    hits, kls, margins, misses, match, diverged = 0, [], [], [], 0, False
+    for t, (ref, pol, tok) in enumerate(zip(ref_lps, pol_lps, cont)):
         ok = int(pol.argmax()) == tok
         hits += ok
         kls.append(float((ref.exp() * (ref - pol)).sum()))
         if not ok:
             diverged = True
+            misses.append(t)
             top2 = torch.topk(ref.exp(), 2).values
             margins.append(float(top2[0] - top2[1]))
         if not diverged:
             match += 1
-    return PositionMetrics(hits / len(cont), sum(kls) / len(kls), match, tuple(margins))
+    return PositionMetrics(hits / len(cont), sum(kls) / len(kls), match, tuple(margins), tuple(kls), tuple(misses))
 
 
 def pieces_prompt(engine: LLMEngine, pieces: list[str | list[int]], reusable: list[bool]) -> TokenizedPrompt:
@@ -113,4 +118,5 @@ def teacher_forced(engine: LLMEngine, prompt: TokenizedPrompt, cont: list[int], 
                                  capture=set(range(n - 1, n + len(cont) - 1)))
     m = compare_positions(ref_lps, [cap[n - 1 + t] for t in range(len(ref_lps))], cont)
     return FidelityResult(m.top1, m.kl, m.match_len, out.metrics.ttft or 0.0, len(full.token_ids),
-                          out.num_cached_tokens, out.num_reused_tokens, out.num_recomputed_tokens, m.miss_margins)
+                          out.num_cached_tokens, out.num_reused_tokens, out.num_recomputed_tokens, m.miss_margins,
+                          m.position_kl, m.miss_positions)

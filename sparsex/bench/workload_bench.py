@@ -16,9 +16,14 @@ tokens, segment-index lookups and hits, the selector's time, and the prefill wor
 is scored against the reference answer (token F1 / exact match).
 
 **Fidelity** (vs full prefill, teacher forced, `sparsex.bench.fidelity`): the full-prefill engine
-greedy-decodes `--fidelity-tokens` tokens and keeps each step's next-token log-distribution; the
-policy then prefills prompt + that continuation and its distributions are compared position by
-position (top-1 agreement, KL(full || policy), greedy match length).
+greedy-decodes up to `--fidelity-tokens` tokens (32), stopping at EOS as a served request does (the
+EOS itself is scored), and keeps each step's next-token log-distribution; the policy then prefills
+prompt + that continuation and its distributions are compared position by position (top-1
+agreement, KL(full || policy), greedy match length). Summaries average over positions, so a request
+that stopped early weighs less; every record keeps its per-position KL and miss positions, from
+which any shorter horizon can be recomputed. `--fidelity-past-eos` scores a fixed-length
+continuation past EOS (template tokens no user sees, nearly always agreed on), as every run before
+the sixteenth session did.
 *Why a twin engine:* the teacher-forced run is itself a request that would change the caches (its
 new segments get indexed, its exact blocks prefix-cached), so running it next to the timed request
 on one engine would hand the timed request (or the next one) hits it would not have had. Each policy
@@ -97,7 +102,12 @@ class WorkloadBenchConfig:
     dtype: str = "float32"
     device: str = "cpu"                  # "cuda": replay on a GPU (fidelity at scale; its TTFT is not the CPU's)
     params: WorkloadParams = field(default_factory=WorkloadParams)
-    fidelity_tokens: int = 24            # teacher-forced continuation length
+    # teacher-forced continuation: the reference's greedy tokens up to its EOS (included: stopping is a
+    # decision too), at most this many. A served request ends at EOS, so what follows it is never seen:
+    # `fidelity_past_eos` scores those positions too (template tokens, nearly always agreed on), which
+    # is what every run before the sixteenth session measured
+    fidelity_tokens: int = 32
+    fidelity_past_eos: bool = False
     fidelity_every: int = 1              # fidelity on requests 0, N, 2N, ...; 0 = no fidelity
     answer_tokens: int = 32              # rag: greedy answer length cap (EOS stops it earlier)
     num_blocks: int | None = None        # KV pool per engine; default: the whole workload fits
@@ -199,6 +209,8 @@ class RequestRecord:
     twin_counts: tuple[int, int, int] | None = None   # the twin's (cached, reused, recomputed)
     approx_prefix_tokens: int = 0  # of reused_tokens: blended blocks of an earlier request continuing the prefix
     miss_margins: list[float] | None = None  # at each top-1 disagreement, full prefill's p(top-1) - p(second)
+    position_kl: list[float] | None = None   # KL at each teacher-forced position (any shorter horizon's metrics)
+    miss_positions: list[int] | None = None  # teacher-forced positions where top-1 disagreed
 
 
 @dataclass
@@ -441,12 +453,12 @@ class Reference:
     """Full prefill (cache="none") of one request: the `none` policy's run and the fidelity reference."""
     ttft_s: float
     answer_ids: list[int]                 # greedy, EOS-stopped, <= answer_tokens
-    cont: list[int] | None = None         # fidelity subset: greedy continuation (EOS ignored)
+    cont: list[int] | None = None         # fidelity subset: greedy continuation (WorkloadBenchConfig.fidelity_tokens)
     lps: list[Any] | None = None          # ... and its next-token log-distributions
 
 
 def compute_reference(engine: LLMEngine, prompt: TokenizedPrompt, fidelity_tokens: int | None,
-                      answer_tokens: int | None) -> Reference:
+                      answer_tokens: int | None, past_eos: bool = False) -> Reference:
     """One greedy decode under full prefill gives TTFT, the answer and (when asked) the teacher-forcing
     reference: the distributions are captured at each decode step, the same rows the lead's
     `fidelity.reference` recomputes in a second prefill."""
@@ -455,17 +467,21 @@ def compute_reference(engine: LLMEngine, prompt: TokenizedPrompt, fidelity_token
     n = len(prompt.token_ids)
     steps = max(fidelity_tokens or 1, answer_tokens or 1)
     capture = set(range(n - 1, n - 1 + fidelity_tokens)) if fidelity_tokens else None
-    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=bool(fidelity_tokens))
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=bool(fidelity_tokens) and past_eos)
     out, cap = run_to_completion(engine, prompt, params, capture=capture)
     ids = list(out.outputs[0].token_ids)
-    answer = ids[:answer_tokens or 0]
-    stop = next((i for i, t in enumerate(answer) if t in engine.eos_token_ids), None)
-    answer = answer if stop is None else answer[: stop + 1]
+    answer = _through_eos(ids[:answer_tokens or 0], engine.eos_token_ids)
     ref = Reference(out.metrics.ttft or 0.0, answer)
     if fidelity_tokens:
-        ref.cont = ids[:fidelity_tokens]
-        ref.lps = [cap[p] for p in range(n - 1, n - 1 + fidelity_tokens)]
+        ref.cont = ids[:fidelity_tokens] if past_eos else _through_eos(ids[:fidelity_tokens], engine.eos_token_ids)
+        ref.lps = [cap[n - 1 + t] for t in range(len(ref.cont))]
     return ref
+
+
+def _through_eos(ids: list[int], eos: tuple[int, ...]) -> list[int]:
+    """`ids` up to and including the first EOS token."""
+    stop = next((i for i, t in enumerate(ids) if t in eos), None)
+    return ids if stop is None else ids[: stop + 1]
 
 
 # ============================================================================ task score
@@ -524,7 +540,7 @@ def replay_reference(cfg: WorkloadBenchConfig, engine: LLMEngine, requests: list
     for i in _progress(range(len(requests)), f"{cfg.workload}/none", cfg.progress):
         req, prompt = requests[i], prompts[i]
         ref = compute_reference(engine, prompt, cfg.fidelity_tokens if fid[i] else None,
-                                cfg.answer_tokens if req.workload == "rag" else None)
+                                cfg.answer_tokens if req.workload == "rag" else None, cfg.fidelity_past_eos)
         refs.append(ref)
         if not keep:
             continue
@@ -533,7 +549,8 @@ def replay_reference(cfg: WorkloadBenchConfig, engine: LLMEngine, requests: list
         rec = RequestRecord(cfg.workload, "none", i, req.request_id, n, 0, 0, 0, n, tl, fl / 1e9, ref.ttft_s, 0.0,
                             0, 0, fid[i])
         if fid[i]:    # the reference itself: exact by definition
-            rec.top1, rec.kl, rec.match_len, rec.miss_margins = 1.0, 0.0, cfg.fidelity_tokens, []
+            rec.top1, rec.kl, rec.match_len, rec.miss_margins = 1.0, 0.0, len(ref.cont), []
+            rec.position_kl, rec.miss_positions = [0.0] * len(ref.cont), []
         if req.workload == "rag":
             _score(rec, _decode(engine, ref.answer_ids), req)
         records.append(rec)
@@ -583,6 +600,7 @@ def replay_policy(cfg: WorkloadBenchConfig, policy: Policy, timed: LLMEngine, pl
                                      reuse=reuse, approx_prefix=True)
                 rec.top1, rec.kl, rec.match_len = res.top1, res.kl, res.match_len
                 rec.miss_margins = list(res.miss_margins)
+                rec.position_kl, rec.miss_positions = list(res.position_kl), list(res.miss_positions)
                 counts = (res.num_cached_tokens, res.num_reused_tokens, res.num_recomputed_tokens)
             else:
                 o, _ = run_to_completion(twin, prompt, SamplingParams(temperature=0, max_tokens=1), reuse=reuse)
@@ -768,7 +786,8 @@ def summarize(workload: str, policy: Policy, recs: list[RequestRecord], flops: F
         prefill_gflops=sum(r.prefill_gflops for r in recs),
         ttft_mean_ms=_mean(ttft) or 0.0, ttft_p50_ms=_percentile(ttft, 50), ttft_p99_ms=_percentile(ttft, 99),
         ttft_speedup=None, selection_ms=_mean([r.selection_ms for r in recs]) or 0.0,
-        fidelity_requests=len(fr), top1=_mean([r.top1 for r in fr]), kl=_mean([r.kl for r in fr]),
+        fidelity_requests=len(fr), top1=_weighted_mean([r.top1 for r in fr], _positions(fr)),
+        kl=_weighted_mean([r.kl for r in fr], _positions(fr)),
         match_len=_mean([r.match_len for r in fr]), f1=_mean([r.f1 for r in scored]),
         em=_mean([r.em for r in scored]),
         twin_mismatches=sum(1 for r in recs if r.twin_match is False),
@@ -779,11 +798,22 @@ def summarize(workload: str, policy: Policy, recs: list[RequestRecord], flops: F
 NEAR_TIE = 0.1      # a reference margin p(top-1) - p(second) below this makes a top-1 miss a near-tie
 
 
+def _positions(fr: list[RequestRecord]) -> list[int]:
+    """Teacher-forced positions of each fidelity record: the summary's top-1 and KL are means over
+    positions, so a request whose reference stopped early weighs less (1 each for a record from
+    before positions were kept)."""
+    return [len(r.position_kl) if r.position_kl else 1 for r in fr]
+
+
+def _weighted_mean(xs: list[float], weights: list[int]) -> float | None:
+    return sum(x * w for x, w in zip(xs, weights)) / sum(weights) if xs else None
+
+
 def _fidelity_intervals(fr: list[RequestRecord]) -> dict:
     if len(fr) < 2:
         return {}
-    top1 = stats.bootstrap_mean([r.top1 for r in fr])
-    kl = stats.bootstrap_mean([r.kl for r in fr])
+    top1 = stats.bootstrap_mean([r.top1 for r in fr], weights=_positions(fr))
+    kl = stats.bootstrap_mean([r.kl for r in fr], weights=_positions(fr))
     return dict(top1_low=top1.low, top1_high=top1.high, kl_low=kl.low, kl_high=kl.high)
 
 
@@ -802,7 +832,7 @@ def compare_to_default(summaries: list[PolicySummary], records: list[RequestReco
     kl = {}
     for r in records:
         if r.fidelity and r.kl is not None:
-            kl.setdefault(r.policy, {})[r.index] = r.kl
+            kl.setdefault(r.policy, {})[r.index] = (r.kl, _positions([r])[0])
     ref = kl.get("sparsex")
     if not ref:
         return
@@ -811,7 +841,8 @@ def compare_to_default(summaries: list[PolicySummary], records: list[RequestReco
         common = sorted(set(mine) & set(ref))
         if s.policy == "sparsex" or len(common) < 2:
             continue
-        d = stats.paired_difference([mine[i] for i in common], [ref[i] for i in common])
+        d = stats.paired_difference([mine[i][0] for i in common], [ref[i][0] for i in common],
+                                    weights=[ref[i][1] for i in common])
         s.kl_minus_sparsex, s.kl_minus_sparsex_low, s.kl_minus_sparsex_high = d.mean, d.low, d.high
 
 
@@ -823,10 +854,17 @@ def _fmt(v: Any, spec: str, scale: float = 1.0) -> str:
     return text[1:] if text.startswith("-") and not any(c in "123456789" for c in text) else text
 
 
+def _horizon(cfg: WorkloadBenchConfig) -> str:
+    """What a fidelity position is, for table and plot captions."""
+    if cfg.fidelity_past_eos:
+        return f"{cfg.fidelity_tokens} teacher-forced tokens each, past EOS"
+    return f"teacher-forced tokens through the reference's EOS, at most {cfg.fidelity_tokens}"
+
+
 def summary_markdown(summaries: list[PolicySummary], fidelity_tokens: int) -> str:
     rag = any(s.f1 is not None for s in summaries)
     head = ["policy", "prefix hit", "approx prefix", "segment hit", "computed tok", "compute", "prefill GFLOP",
-            "TTFT mean / p50 / p99 (ms)", "vs none", "select (ms)", "top-1", "KL", f"match (/{fidelity_tokens})"]
+            "TTFT mean / p50 / p99 (ms)", "vs none", "select (ms)", "top-1", "KL", f"match (of <= {fidelity_tokens})"]
     if rag:
         head += ["F1", "EM"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -886,7 +924,7 @@ def write_outputs(out: str, cfg: WorkloadBenchConfig, policies: list[Policy], re
         warm = (f" after ingesting the corpus in {env['prewarm_prompts']} prompts, each opened by a preamble "
                 "passage (untimed)") if cfg.prewarm else ""
         f.write(f"{cfg.workload}: {env['num_requests']} requests{warm}, fidelity on {env['fidelity_requests']} "
-                f"({cfg.fidelity_tokens} teacher-forced tokens); {env['model']} {env['dtype']}, "
+                f"({_horizon(cfg)}); {env['model']} {env['dtype']}, "
                 f"{env['gpu'] or str(env['torch_threads']) + ' thread(s), ' + env['cpu']}, "
                 f"load {env['load_avg_start']:.1f}→"
                 f"{env['load_avg_end']:.1f}\n\n")
@@ -985,8 +1023,9 @@ def plot_pareto(summaries: list[PolicySummary], path: str, cfg: WorkloadBenchCon
             ax.grid(alpha=0.3)
     axes[0][1].legend(fontsize=7, loc="upper right")
     fig.suptitle(f"{cfg.workload}: fidelity vs TTFT and prefill compute ({env['num_requests']} requests, "
-                 f"{cfg.fidelity_tokens} teacher-forced tokens each; {env['model']} {env['dtype']}, "
-                 f"{env['torch_threads']} thread(s), shared {env['cores']}-core CPU)", fontsize=10)
+                 f"{_horizon(cfg)}; {env['model']} {env['dtype']}, "
+                 f"{env['gpu'] or str(env['torch_threads']) + ' thread(s), ' + str(env['cores']) + '-core CPU'})",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -1237,7 +1276,11 @@ def add_workload_bench_parser(subparsers: argparse._SubParsersAction) -> argpars
     p.add_argument("--plot-dir", default=None, help="directory for PNG plots (default: --out)")
     p.add_argument("--no-progress", action="store_true")
     g = p.add_argument_group("fidelity")
-    g.add_argument("--fidelity-tokens", type=int, default=24, help="teacher-forced continuation length")
+    g.add_argument("--fidelity-tokens", type=int, default=WorkloadBenchConfig.fidelity_tokens,
+                   help="teacher-forced continuation: the reference's greedy tokens through its EOS, at most this many")
+    g.add_argument("--fidelity-past-eos", action="store_true",
+                   help="score the continuation past the reference's EOS too (fixed length; runs before the "
+                        "sixteenth session measured this)")
     g.add_argument("--fidelity-every", type=int, default=1, help="fidelity on every Nth request (0: none)")
     g.add_argument("--answer-tokens", type=int, default=32, help="rag: greedy answer cap (EOS stops earlier)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool per engine (default: workload fits)")
@@ -1312,6 +1355,7 @@ def run_workload_bench_cli(args: argparse.Namespace) -> int:
         tool_apis=tuple(a.strip() for a in args.tool_apis.split(",") if a.strip()), zipf_a=args.zipf_a, seed=args.seed)
     cfg = WorkloadBenchConfig(workload=args.workload, policies=args.policies, sweep=args.sweep, model=args.model,
                               dtype=args.dtype, device=args.device, params=params, fidelity_tokens=args.fidelity_tokens,
+                              fidelity_past_eos=args.fidelity_past_eos,
                               fidelity_every=args.fidelity_every, answer_tokens=args.answer_tokens,
                               num_blocks=args.num_blocks, prewarm=args.prewarm, out=args.out,
                               plot_dir=args.plot_dir, progress=not args.no_progress)
