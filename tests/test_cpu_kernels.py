@@ -258,7 +258,9 @@ def _multi_row_metadata(seq_lens: list[int], rows: list[torch.Tensor], tables: t
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backend_multi_row_native_vs_gemm(kernels, monkeypatch, dtype):
-    """The backend's multi-row paths (native kernel, GEMM row chunks) agree, with one-row sequences mixed in."""
+    """The backend's multi-row paths (native kernel, GEMM row chunks) agree, with one-row sequences mixed in.
+    The native kernel is forced: on a CPU without AVX-512 the backend would not choose it."""
+    monkeypatch.setattr(cpu_kernels, "multi_row_preferred", lambda: True)
     gen = torch.Generator().manual_seed(6)
     seq_lens = [300, 17, 40, 64]
     _, k_cache, v_cache, tables = paged_inputs(seq_lens, 9, 3, 64, 16, dtype, gen)
