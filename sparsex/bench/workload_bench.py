@@ -369,21 +369,27 @@ class PlanRecorder:
 # ============================================================================ engines
 
 class EngineCache:
-    """Engines by (cache mode, role), built on first use; `release` drops them.
+    """Engines by (cache mode, role, eviction policy), built on first use; `release` drops them.
 
     Policies with the same cache mode share an engine: `take` clears its caches first. Roles:
-    "timed" (the measured replay, and for cache="none" the reference) and "twin" (fidelity)."""
+    "timed" (the measured replay, and for cache="none" the reference) and "twin" (fidelity). One
+    engine per key: asking for another pool size replaces it (each engine holds its own copy of the
+    weights, and a test module that kept one per size reached 18 GB of CI's 24)."""
 
     def __init__(self, model: str, dtype: str, seed: int = 0, device: str = "cpu"):
         self.model, self.dtype, self.seed, self.device = model, dtype, seed, device
-        self._engines: dict[tuple[str, str, str, int], tuple[LLMEngine, PlanRecorder]] = {}
+        self._engines: dict[tuple[str, str, str], tuple[LLMEngine, PlanRecorder]] = {}
 
     def take(self, cache: str, role: str, num_blocks: int, eviction: str = "frequency",
              warm: bool = True) -> tuple[LLMEngine, PlanRecorder]:
         from sparsex.config import EngineConfig, ReuseConfig
         from sparsex.engine.llm_engine import LLMEngine
 
-        key = (cache, role, eviction, num_blocks)
+        key = (cache, role, eviction)
+        if key in self._engines and self._engines[key][0].config.num_blocks != num_blocks:
+            del self._engines[key]
+            import gc
+            gc.collect()
         if key not in self._engines:
             engine = LLMEngine(EngineConfig(model=self.model, dtype=self.dtype, device=self.device, cache=cache, seed=self.seed,
                                             num_blocks=num_blocks, segment_eviction=eviction,
