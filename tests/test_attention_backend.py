@@ -2,8 +2,9 @@
 
 Covers every row shape a step can have (plain prefill, prefix-hit extend, sparse rows at
 scattered positions, single-row decodes of different lengths, all mixed in one step), several
-row chunks per sequence, shuffled block tables, both dtypes, and both single-row paths (the native
-decode kernel and the gathered SDPA fallback)."""
+row chunks per sequence, shuffled block tables, both dtypes, both single-row paths (the native
+decode kernel and the gathered SDPA fallback) and both multi-row ones (the native flash-style kernel;
+causal SDPA for a fresh prefill and GEMM row chunks for the rest)."""
 from __future__ import annotations
 
 import pytest
@@ -52,9 +53,12 @@ def _metadata(seq_rows_pos: list[list[int]], seq_lens: list[int], tables: list[l
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("chunk_elems", [1 << 19, 64])   # one chunk per sequence / many small chunks
 @pytest.mark.parametrize("native,native_multi", [(True, True), (True, False), (False, False)])
-def test_matches_reference_on_every_row_shape(monkeypatch, dtype, atol, chunk_elems, native, native_multi):
-    """(True, True): both native kernels (an AVX-512 CPU); (True, False): the native decode kernel and
-    GEMM row chunks for multi-row sequences (an AVX2-only CPU); (False, False): torch only."""
+@pytest.mark.parametrize("pass_kv", [False, True])
+def test_matches_reference_on_every_row_shape(monkeypatch, dtype, atol, chunk_elems, native, native_multi, pass_kv):
+    """(True, True): both native kernels (an AVX-512 CPU); (True, False): the native decode kernel,
+    causal SDPA for the fresh prefill and GEMM row chunks for the other multi-row sequences (an
+    AVX2-only CPU); (False, False): torch only. `pass_kv`: the step's own K/V rows are given, as the
+    model passes them (the fresh prefill's SDPA reads them instead of the cache)."""
     if native and cpu_kernels.native() is None:
         pytest.skip("native CPU kernels not available")
     if not native:
@@ -85,17 +89,21 @@ def test_matches_reference_on_every_row_shape(monkeypatch, dtype, atol, chunk_el
     num_rows = md.cu_seqlens_q_cpu[-1]
     query = torch.randn(num_rows, H, D, generator=g).to(dtype)
     scale = D ** -0.5
-    out = TorchAttentionBackend.attention(query, k_cache, v_cache, md, scale)
+    kv = {}
+    if pass_kv:
+        slots = md.slot_mapping
+        kv = dict(key=k_cache.view(-1, KVH, D)[slots], value=v_cache.view(-1, KVH, D)[slots])   # [T, KVH, D]
+    out = TorchAttentionBackend.attention(query, k_cache, v_cache, md, scale, **kv)
     plan = md.backend_plan
     assert isinstance(plan.single, ab._SingleRowBatch if native else ab._GatheredSingleRowBatch)
     if native_multi:                                      # the flash kernel: row chunks do not apply
         assert isinstance(plan.multi, ab._NativeMultiRowBatch) and plan.multi.query_start.numel() == 4
     else:
-        assert len(plan.multi) == 3
+        assert len(plan.multi) == 2 and [(c.r0, c.r1) for c in plan.causal] == [(0, 37)]
         if chunk_elems == 64:
             assert all(len(seq.chunks) > 1 for seq in plan.multi)
     # a second layer reuses the plan
-    again = TorchAttentionBackend.attention(query, k_cache, v_cache, md, scale)
+    again = TorchAttentionBackend.attention(query, k_cache, v_cache, md, scale, **kv)
     assert md.backend_plan is plan and torch.equal(out, again)
     rows_of_seq = [range(a, b) for a, b in zip(md.cu_seqlens_q_cpu, md.cu_seqlens_q_cpu[1:])]
     ref = _reference(query, k_cache, v_cache, rows_of_seq, md.positions.tolist(), tables, scale)
@@ -126,6 +134,25 @@ def test_select_rows_with_given_counts_matches_the_derived_ones():
     assert derived.max_seqlen_q == given.max_seqlen_q == 3
     with pytest.raises(ValueError, match="rows_per_seq"):
         md.select_rows(keep, [3, 3])
+
+
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_row_chunks_compute_in_float32_where_bf16_gemms_are_emulated(monkeypatch, native_bf16):
+    """bf16 GEMMs on a CPU without native bf16 (AVX2) ran 35-120x slower than float32 at 0.5-4k keys:
+    the row chunks then compute in float32 and round the output to bf16 once."""
+    monkeypatch.setattr(ab, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(cpu_kernels, "multi_row_preferred", lambda: False)
+    g = torch.Generator().manual_seed(2)
+    rows = [[3, 9, 14, 15]]                               # sparse rows: row chunks, not SDPA
+    md = _metadata(rows, [16], [[2, 0, 3, 1]])
+    k_cache = torch.randn(4, BS, KVH, D, generator=g).bfloat16()
+    v_cache = torch.randn(4, BS, KVH, D, generator=g).bfloat16()
+    query = torch.randn(4, H, D, generator=g).bfloat16()
+    out = TorchAttentionBackend.attention(query, k_cache, v_cache, md, 0.25)
+    assert md.backend_plan.gemm_dtype == (torch.bfloat16 if native_bf16 else torch.float32)
+    assert out.dtype == torch.bfloat16 and not md.backend_plan.causal
+    ref = _reference(query, k_cache, v_cache, [range(4)], md.positions.tolist(), [[2, 0, 3, 1]], 0.25)
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=0)
 
 
 @pytest.mark.parametrize("capability,preferred", [("AVX512", True), ("AVX2", False), ("DEFAULT", False)])

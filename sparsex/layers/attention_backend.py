@@ -18,7 +18,9 @@ How the CPU backend spends its time (2-core AVX-512 box, SmolLM2 shapes, measure
   conditions, on AVX-512 CPUs: tiles of rows x a KV head's query heads against key blocks, online
   softmax in float32, scores never written to memory; 1.3-1.6x faster than the GEMM path below at
   1k-4k tokens (bf16), ~2x in float32. On an AVX2-only CPU it was 2-4.5x slower than that path
-  (cpu_kernels.multi_row_preferred). Without it they run as row chunks of two GEMMs each: a chunk only multiplies
+  (cpu_kernels.multi_row_preferred). Without it, a prefill with nothing cached (rows exactly
+  positions 0..n-1) is one causal torch SDPA call over the step's own K/V, and the others run as
+  row chunks of two GEMMs each: a chunk only multiplies
   against the keys up to its last row's position, and only the keys between its first and last
   row's positions need a mask. That skips the causal upper triangle like flash attention does,
   but with MKL/oneDNN GEMMs, which are ~1.5x faster than torch's CPU flash kernel at 1k-4k
@@ -36,6 +38,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from sparsex.config import cpu_has_native_bf16
 from sparsex.layers import cpu_kernels
 from sparsex.layers.attention_metadata import AttentionMetadata
 
@@ -57,6 +60,15 @@ class _RowChunk:
 class _MultiRowSeq:
     slots: torch.Tensor              # [kend_max] int64, cache slot of key positions 0..kend_max-1
     chunks: list[_RowChunk]
+
+
+@dataclass
+class _CausalSeq:
+    """A sequence whose rows are exactly positions 0..n-1 (a prefill with nothing cached): its keys
+    are this step's own K/V rows r0:r1, so torch's causal SDPA reads them in place."""
+    r0: int
+    r1: int
+    slots: torch.Tensor              # [r1 - r0] int64, their cache slots (read when the step's K/V are not passed)
 
 
 @dataclass
@@ -90,6 +102,8 @@ class CpuAttentionPlan:
     """Per-step precomputation shared by every layer (the metadata is the same for all layers)."""
     single: _SingleRowBatch | _GatheredSingleRowBatch | None
     multi: _NativeMultiRowBatch | list[_MultiRowSeq] = field(default_factory=list)   # [] when none
+    causal: list[_CausalSeq] = field(default_factory=list)   # only without the native multi-row kernel
+    gemm_dtype: torch.dtype = torch.float32                   # what the row chunks compute in
 
 
 def _slots_of(block_table: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
@@ -132,13 +146,15 @@ def _native_multi(md: AttentionMetadata, seqs: list[int]) -> _NativeMultiRowBatc
 
 
 def build_plan(md: AttentionMetadata, block_size: int, num_kv_groups: int, dtype: torch.dtype,
-               native: bool, native_multi: bool) -> CpuAttentionPlan:
+               native: bool, native_multi: bool, sdpa_prefill: bool = False) -> CpuAttentionPlan:
     """`native`: one-row sequences go to cpu_kernels.decode_attention (else gathered SDPA);
-    `native_multi`: multi-row ones to cpu_kernels.multi_row_attention (else GEMM row chunks)."""
+    `native_multi`: multi-row ones to cpu_kernels.multi_row_attention (else GEMM row chunks in
+    `dtype`); `sdpa_prefill`: without `native_multi`, a prefill with nothing cached goes to causal SDPA."""
     positions = md.positions.tolist()
     cu = md.cu_seqlens_q_cpu
     single_rows, single_lens, single_seqs, multi_seqs = [], [], [], []
     multi: list[_MultiRowSeq] = []
+    causal: list[_CausalSeq] = []
     dev = md.block_tables.device          # the CPU normally; any device when used as the reference
     neg_inf = torch.tensor(float("-inf"), dtype=dtype, device=dev)
     zero = torch.zeros((), dtype=dtype, device=dev)
@@ -150,6 +166,8 @@ def build_plan(md: AttentionMetadata, block_size: int, num_kv_groups: int, dtype
             single_seqs.append(s)
         elif q1 > q0 and native_multi:
             multi_seqs.append(s)
+        elif q1 > q0 and sdpa_prefill and md.seq_lens_cpu[s] == q1 - q0 and positions[q0:q1] == list(range(q1 - q0)):
+            causal.append(_CausalSeq(q0, q1, _slots_of(md.block_tables[s], q1 - q0, block_size)))
         elif q1 > q0:
             rows_pos = positions[q0:q1]
             kmax = max(rows_pos) + 1
@@ -177,7 +195,7 @@ def build_plan(md: AttentionMetadata, block_size: int, num_kv_groups: int, dtype
         # a padded key reads whatever slot the padded block-table entry points at: masked out
         slots = torch.where(mask.flatten(), slots.view(len(single_seqs), L).flatten(), 0)
         single = _GatheredSingleRowBatch(torch.tensor(single_rows, device=dev), slots, mask, L)
-    return CpuAttentionPlan(single, _native_multi(md, multi_seqs) if multi_seqs else multi)
+    return CpuAttentionPlan(single, _native_multi(md, multi_seqs) if multi_seqs else multi, causal, dtype)
 
 
 class TorchAttentionBackend:
@@ -217,8 +235,13 @@ class TorchAttentionBackend:
             native = (head_dim in cpu_kernels.ATTENTION_HEAD_DIMS and k_cache.dtype == query.dtype
                       and md.positions.dtype == torch.int64 and md.block_tables.dtype == torch.int32
                       and cpu_kernels.supports(query, k_cache))
-            md.backend_plan = build_plan(md, k_cache.shape[1], groups, query.dtype, native,
-                                         native and cpu_kernels.multi_row_preferred())
+            # where the flash kernel is not preferred (an AVX2 CPU): torch's causal SDPA for a fresh
+            # prefill, and GEMMs in float32 when bf16 ones would be emulated (35-120x slower at 0.5-4k)
+            on_avx2 = query.device.type == "cpu" and not cpu_kernels.multi_row_preferred()
+            gemm_dtype = (torch.float32 if query.dtype == torch.bfloat16 and query.device.type == "cpu"
+                          and not cpu_has_native_bf16() else query.dtype)
+            md.backend_plan = build_plan(md, k_cache.shape[1], groups, gemm_dtype, native,
+                                         native and cpu_kernels.multi_row_preferred(), sdpa_prefill=on_avx2)
         plan: CpuAttentionPlan = md.backend_plan
         single, multi = plan.single, plan.multi
         if isinstance(single, _SingleRowBatch):
@@ -236,12 +259,13 @@ class TorchAttentionBackend:
         elif multi:
             # queries KV-head-major once per layer, scale folded in: a chunk's rows are then one
             # contiguous [rows * groups, D] block per KV head (rows outer, groups inner)
-            q_all = query.new_empty(num_kv_heads, query.shape[0], groups, head_dim)     # [KVH, T, G, D]
+            gemm_dtype = plan.gemm_dtype
+            q_all = query.new_empty(num_kv_heads, query.shape[0], groups, head_dim, dtype=gemm_dtype)  # [KVH, T, G, D]
             torch.mul(query.view(-1, num_kv_heads, groups, head_dim).transpose(0, 1), scale, out=q_all)
             o_all = torch.empty_like(q_all)   # rows of one-row sequences are filled below
             for seq in multi:
-                k = k_flat.index_select(0, seq.slots).to(query.dtype)     # [n, KVH, D]
-                v = v_flat.index_select(0, seq.slots).to(query.dtype)
+                k = k_flat.index_select(0, seq.slots).to(gemm_dtype)      # [n, KVH, D]
+                v = v_flat.index_select(0, seq.slots).to(gemm_dtype)
                 k_t = k.permute(1, 2, 0).contiguous()                     # [KVH, D, n]
                 v_h = v.permute(1, 0, 2).contiguous()                     # [KVH, n, D]
                 for ch in seq.chunks:
@@ -253,9 +277,20 @@ class TorchAttentionBackend:
                     probs = torch.softmax(scores, dim=-1)                 # float32 accumulation inside
                     o = torch.bmm(probs.view(num_kv_heads, c * groups, ch.kend), v_h[:, :ch.kend])  # [KVH, c*G, D]
                     o_all[:, ch.r0:ch.r1] = o.view(num_kv_heads, c, groups, head_dim)
-            out = o_all.transpose(0, 1).reshape(-1, num_heads, head_dim)   # [T, H, D]
+            out = o_all.transpose(0, 1).reshape(-1, num_heads, head_dim).to(query.dtype)   # [T, H, D]
         else:
             out = torch.empty_like(query)
+
+        for seq in plan.causal:
+            if key is not None and key.dtype == query.dtype:
+                k, v = key[seq.r0:seq.r1], value[seq.r0:seq.r1]                  # [n, KVH, D]
+            else:
+                k = k_flat.index_select(0, seq.slots).to(query.dtype)
+                v = v_flat.index_select(0, seq.slots).to(query.dtype)
+            o = F.scaled_dot_product_attention(query[seq.r0:seq.r1].transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                               v.transpose(0, 1)[None], is_causal=True, scale=scale,
+                                               enable_gqa=groups > 1)          # [1, H, n, D]
+            out[seq.r0:seq.r1] = o[0].transpose(0, 1)
 
         if isinstance(single, _SingleRowBatch):
             out = _on_rows(decode, query, single.rows, out)
