@@ -23,9 +23,11 @@ How the CPU backend spends its time (2-core AVX-512 box, SmolLM2 shapes, measure
   row chunks of two GEMMs each: a chunk only multiplies
   against the keys up to its last row's position, and only the keys between its first and last
   row's positions need a mask. That skips the causal upper triangle like flash attention does,
-  but with MKL/oneDNN GEMMs, which are ~1.5x faster than torch's CPU flash kernel at 1k-4k
-  tokens. Scores are computed in the model dtype; the softmax accumulates in float32 and rounds
-  P to the model dtype, as flash kernels do before the PV product.
+  but with MKL/oneDNN GEMMs, which were ~1.5x faster than torch's CPU flash kernel at 1k-4k
+  tokens on an AVX-512 CPU (on an AVX2 EPYC causal SDPA was 1.6x faster than them for a fresh
+  prefill, hence that path). Scores are computed in the model dtype, or float32 where bf16 GEMMs
+  are emulated (35-120x slower there); the softmax accumulates in float32 and rounds P to the
+  compute dtype, as flash kernels do before the PV product.
 - Everything that depends only on the step (cache slot of every visible key, chunk bounds,
   masks) is built once, at the first layer, and reused by all layers (`CpuAttentionPlan`).
 """
