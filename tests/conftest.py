@@ -9,7 +9,8 @@ import torch
 
 from sparsex import LLM
 
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
+_LIBC_NAME = ctypes.util.find_library("c")
+_MALLOC_TRIM = getattr(ctypes.CDLL(_LIBC_NAME), "malloc_trim", None) if _LIBC_NAME else None   # glibc only
 
 
 @pytest.fixture(autouse=True)
@@ -18,8 +19,8 @@ def return_freed_memory():
     glibc keeps what they free in its arenas (one test's two engines left 1.1 GB resident after
     they were gone), and the retained pages added up to an OOM kill on CI's 24 GB."""
     yield
-    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
-        _LIBC.malloc_trim(0)
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 @pytest.fixture(scope="session")

@@ -143,15 +143,15 @@ def test_row_chunks_compute_in_float32_where_bf16_gemms_are_emulated(monkeypatch
     monkeypatch.setattr(ab, "cpu_has_native_bf16", lambda: native_bf16)
     monkeypatch.setattr(cpu_kernels, "multi_row_preferred", lambda: False)
     g = torch.Generator().manual_seed(2)
-    rows = [[3, 9, 14, 15]]                               # sparse rows: row chunks, not SDPA
-    md = _metadata(rows, [16], [[2, 0, 3, 1]])
+    rows, tables = [[3, 9, 14, 15]], [[2, 0, 3, 1]]      # sparse rows: row chunks, not SDPA
+    md = _metadata(rows, [16], tables)
     k_cache = torch.randn(4, BS, KVH, D, generator=g).bfloat16()
     v_cache = torch.randn(4, BS, KVH, D, generator=g).bfloat16()
     query = torch.randn(4, H, D, generator=g).bfloat16()
     out = TorchAttentionBackend.attention(query, k_cache, v_cache, md, 0.25)
     assert md.backend_plan.gemm_dtype == (torch.bfloat16 if native_bf16 else torch.float32)
     assert out.dtype == torch.bfloat16 and not md.backend_plan.causal
-    ref = _reference(query, k_cache, v_cache, [range(4)], md.positions.tolist(), [[2, 0, 3, 1]], 0.25)
+    ref = _reference(query, k_cache, v_cache, [range(4)], md.positions.tolist(), tables, 0.25)
     torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=0)
 
 

@@ -106,15 +106,11 @@ def test_rag_end_to_end(tmp_path, engines) -> None:
 
 
 @needs_smollm2
-def test_reference_continuation_stops_at_eos() -> None:
+def test_reference_continuation_stops_at_eos(engines) -> None:
     """The fidelity reference is what a served request would produce: greedy tokens through the first
     EOS (scored: stopping is a decision), at most fidelity_tokens. Past EOS the model writes template
-    tokens no user sees, which a policy nearly always agrees on; `past_eos` keeps them (fixed length).
-    Its own engine, dropped at the end: the module's EngineCache keeps every engine it builds, and the
-    suite's peak memory is close to CI's 24 GB."""
-    from sparsex.config import EngineConfig
-    from sparsex.engine.llm_engine import LLMEngine
-    engine = LLMEngine(EngineConfig(model="smollm2-135m-instruct", dtype="float32", cache="none", num_blocks=64))
+    tokens no user sees, which a policy nearly always agrees on; `past_eos` keeps them (fixed length)."""
+    engine, _ = engines.take("none", "timed", 64)
     prompt = engine.chat_to_prompt([{"role": "user", "content": "What is the capital of France? Answer in one word."}])
     stopped = wb.compute_reference(engine, prompt, 16, None)
     past = wb.compute_reference(engine, prompt, 16, None, past_eos=True)

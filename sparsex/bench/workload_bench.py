@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -387,9 +388,7 @@ class EngineCache:
 
         key = (cache, role, eviction)
         if key in self._engines and self._engines[key][0].config.num_blocks != num_blocks:
-            del self._engines[key]
-            import gc
-            gc.collect()
+            self._drop([key])
         if key not in self._engines:
             engine = LLMEngine(EngineConfig(model=self.model, dtype=self.dtype, device=self.device, cache=cache, seed=self.seed,
                                             num_blocks=num_blocks, segment_eviction=eviction,
@@ -403,10 +402,12 @@ class EngineCache:
         return engine, rec
 
     def release(self, cache: str | None = None) -> None:
-        for key in [k for k in self._engines if cache is None or k[0] == cache]:
+        self._drop([k for k in self._engines if cache is None or k[0] == cache])
+
+    def _drop(self, keys: list[tuple[str, str, str]]) -> None:
+        for key in keys:
             del self._engines[key]
-        import gc
-        gc.collect()
+        gc.collect()        # a PlanRecorder's wrapper and its engine's blender refer to each other
 
 
 def _warm_up(engine: LLMEngine) -> None:

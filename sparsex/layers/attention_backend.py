@@ -238,12 +238,13 @@ class TorchAttentionBackend:
                       and md.positions.dtype == torch.int64 and md.block_tables.dtype == torch.int32
                       and cpu_kernels.supports(query, k_cache))
             # where the flash kernel is not preferred (an AVX2 CPU): torch's causal SDPA for a fresh
-            # prefill, and GEMMs in float32 when bf16 ones would be emulated (35-120x slower at 0.5-4k)
-            on_avx2 = query.device.type == "cpu" and not cpu_kernels.multi_row_preferred()
-            gemm_dtype = (torch.float32 if query.dtype == torch.bfloat16 and query.device.type == "cpu"
-                          and not cpu_has_native_bf16() else query.dtype)
-            md.backend_plan = build_plan(md, k_cache.shape[1], groups, gemm_dtype, native,
-                                         native and cpu_kernels.multi_row_preferred(), sdpa_prefill=on_avx2)
+            # prefill; GEMMs in float32 when bf16 ones would be emulated (35-120x slower at 0.5-4k)
+            flash_preferred = cpu_kernels.multi_row_preferred()
+            on_cpu = query.device.type == "cpu"
+            gemm_dtype = (torch.float32 if on_cpu and query.dtype == torch.bfloat16 and not cpu_has_native_bf16()
+                          else query.dtype)
+            md.backend_plan = build_plan(md, k_cache.shape[1], groups, gemm_dtype, native, native and flash_preferred,
+                                         sdpa_prefill=on_cpu and not flash_preferred)
         plan: CpuAttentionPlan = md.backend_plan
         single, multi = plan.single, plan.multi
         if isinstance(single, _SingleRowBatch):
@@ -284,9 +285,9 @@ class TorchAttentionBackend:
             out = torch.empty_like(query)
 
         for seq in plan.causal:
-            if key is not None and key.dtype == query.dtype:
+            if key is not None:
                 k, v = key[seq.r0:seq.r1], value[seq.r0:seq.r1]                  # [n, KVH, D]
-            else:
+            else:                            # a selection layer passes none: its rows' K/V are stored
                 k = k_flat.index_select(0, seq.slots).to(query.dtype)
                 v = v_flat.index_select(0, seq.slots).to(query.dtype)
             o = F.scaled_dot_product_attention(query[seq.r0:seq.r1].transpose(0, 1)[None], k.transpose(0, 1)[None],
