@@ -138,7 +138,7 @@ def test_select_rows_with_given_counts_matches_the_derived_ones():
 
 @pytest.mark.parametrize("native_bf16", [False, True])
 def test_row_chunks_compute_in_float32_where_bf16_gemms_are_emulated(monkeypatch, native_bf16):
-    """bf16 GEMMs on a CPU without native bf16 (AVX2) ran 35-120x slower than float32 at 0.5-4k keys:
+    """bf16 GEMMs on a CPU without native bf16 (AVX2) ran 20-75x slower than float32 at 0.5-4k keys:
     the row chunks then compute in float32 and round the output to bf16 once."""
     monkeypatch.setattr(ab, "cpu_has_native_bf16", lambda: native_bf16)
     monkeypatch.setattr(cpu_kernels, "multi_row_preferred", lambda: False)

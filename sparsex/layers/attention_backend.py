@@ -24,9 +24,9 @@ How the CPU backend spends its time (2-core AVX-512 box, SmolLM2 shapes, measure
   against the keys up to its last row's position, and only the keys between its first and last
   row's positions need a mask. That skips the causal upper triangle like flash attention does,
   but with MKL/oneDNN GEMMs, which were ~1.5x faster than torch's CPU flash kernel at 1k-4k
-  tokens on an AVX-512 CPU (on an AVX2 EPYC causal SDPA was 1.6x faster than them for a fresh
+  tokens on an AVX-512 CPU (on an AVX2 EPYC causal SDPA was 1.5-2.4x faster than them for a fresh
   prefill, hence that path). Scores are computed in the model dtype, or float32 where bf16 GEMMs
-  are emulated (35-120x slower there); the softmax accumulates in float32 and rounds P to the
+  are emulated (20-75x slower there at 0.5-4k keys); the softmax accumulates in float32 and rounds P to the
   compute dtype, as flash kernels do before the PV product.
 - Everything that depends only on the step (cache slot of every visible key, chunk bounds,
   masks) is built once, at the first layer, and reused by all layers (`CpuAttentionPlan`).
@@ -238,7 +238,7 @@ class TorchAttentionBackend:
                       and md.positions.dtype == torch.int64 and md.block_tables.dtype == torch.int32
                       and cpu_kernels.supports(query, k_cache))
             # where the flash kernel is not preferred (an AVX2 CPU): torch's causal SDPA for a fresh
-            # prefill; GEMMs in float32 when bf16 ones would be emulated (35-120x slower at 0.5-4k)
+            # prefill; GEMMs in float32 when bf16 ones would be emulated (20-75x slower at 0.5-4k)
             flash_preferred = cpu_kernels.multi_row_preferred()
             on_cpu = query.device.type == "cpu"
             gemm_dtype = (torch.float32 if on_cpu and query.dtype == torch.bfloat16 and not cpu_has_native_bf16()
