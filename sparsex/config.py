@@ -109,6 +109,15 @@ class ReuseConfig:
                 raise ValueError(f"full_layers + rescore_layers = {self.full_layers + self.rescore_layers} "
                                  f"exceeds the model's {num_layers} layers")
 
+    @property
+    def kv_key(self) -> tuple:
+        """Every knob the KV of a blend depends on (all but `approx_prefix`, which only says whether
+        the approximate prefix chain is read and written): that chain's key (cache/block_hash.py), so
+        a request never continues KV blended under other knobs, e.g. with fewer recomputed tokens.
+        Ratios are floats here, so 0 and 0.0 name the same chain."""
+        return tuple((f.name, float(getattr(self, f.name)) if f.type == "float" else getattr(self, f.name))
+                     for f in dataclasses.fields(self) if f.name != "approx_prefix")
+
     def resolved(self, num_layers: int) -> ReuseConfig:
         """This config with `rescore_layers=None` made explicit: AUTO_RESCORE_LAYERS for sparse_q when
         its candidates outnumber what it keeps (candidate_ratio > recompute_ratio) and the model has the

@@ -123,20 +123,36 @@ def test_allocation_recounts_hit_blocks_released_by_reclaim():
     kv.pool.check_integrity({blk.block_id: 1 for blk in b.blocks})
 
 
-@pytest.mark.parametrize("salt,approximate", [(None, False), ("tenant-a", False), ("tenant-a", True)])
-def test_chunked_chain_hashing_equals_block_by_block(salt, approximate):
+@pytest.mark.parametrize("salt,approx_key", [(None, None), ("tenant-a", None), ("tenant-a", ReuseConfig().kv_key)])
+def test_chunked_chain_hashing_equals_block_by_block(salt, approx_key):
     """iter_block_hashes converts tokens to bytes a chunk at a time; the chain must be the one
     hashing block by block gives, across chunk edges, from any block-aligned start."""
     tokens = [(7919 * i) % 50_000 for i in range(16 * 150 + 5)]      # 150 full blocks, a partial one
     ref, parent = [], None
     for i in range(150):                                 # one block at a time: the salt goes with block 0
         (parent,) = bh.compute_block_hashes(tokens[16 * i:16 * i + 16], 16, salt if i == 0 else None,
-                                            parent=parent, approximate=approximate)
+                                            parent=parent, approx_key=approx_key)
         ref.append(parent)
-    assert bh.compute_block_hashes(tokens, 16, salt, approximate=approximate) == ref
-    tail = bh.compute_block_hashes(tokens, 16, salt, parent=ref[69], start=70 * 16, approximate=approximate)
+    assert bh.compute_block_hashes(tokens, 16, salt, approx_key=approx_key) == ref
+    tail = bh.compute_block_hashes(tokens, 16, salt, parent=ref[69], start=70 * 16, approx_key=approx_key)
     assert tail == ref[70:]
     assert len({h.value for h in ref}) == 150
+
+
+def test_approximate_chains_are_keyed_by_the_reuse_config():
+    """Blended KV depends on the reuse knobs: the same tokens on the approximate chain of another
+    config hash differently (so it is never found), while configs equal up to number type and
+    `approx_prefix` share one chain; neither chain meets the exact one."""
+    tokens = list(range(16 * 4))
+    chain = lambda key: [h.value for h in bh.compute_block_hashes(tokens, 16, None, approx_key=key)]
+    default = chain(ReuseConfig().kv_key)
+    assert chain(ReuseConfig(recompute_ratio=0.125, approx_prefix=False).kv_key) == default
+    assert chain(ReuseConfig(recompute_ratio=0, selector="none").kv_key) == chain(
+        ReuseConfig(recompute_ratio=0.0, selector="none").kv_key)
+    for other in (ReuseConfig(recompute_ratio=0.3), ReuseConfig(selector="none"), ReuseConfig(full_layers=4),
+                  ReuseConfig(rescore_layers=0)):
+        assert not set(chain(other.kv_key)) & set(default)
+    assert not set(chain(None)) & set(default)
 
 
 def test_prefix_lookup_hashes_only_what_it_needs():
@@ -154,19 +170,19 @@ def test_prefix_lookup_hashes_only_what_it_needs():
     assert len(a.block_hashes) == 200
 
 
-@pytest.mark.parametrize("salt,approximate", [(None, False), ("tenant-a", False), ("tenant-a", True)])
-def test_block_hash_values_follow_the_documented_input(salt, approximate):
+@pytest.mark.parametrize("salt,approx_key", [(None, None), ("tenant-a", None), ("tenant-a", ReuseConfig().kv_key)])
+def test_block_hash_values_follow_the_documented_input(salt, approx_key):
     """The digest of a block is xxh3-128 over (domain, parent digest, int64 token bytes, each extra
     key's repr + NUL): recomputed here by hand, so a faster hashing loop cannot change the values
     (or the verification bytes) that cached blocks are found by."""
     import numpy as np
     import xxhash
     tokens = [(104729 * i) % 49_152 for i in range(16 * 3)]
-    got = bh.compute_block_hashes(tokens, 16, salt, approximate=approximate)
+    got = bh.compute_block_hashes(tokens, 16, salt, approx_key=approx_key)
     parent = b"\x00" * 16
     for i, h in enumerate(got):
         extra = ((("cache_salt", salt),) if (i == 0 and salt is not None) else ()) + \
-            ((("kv", "blended"),) if approximate else ())
+            ((("kv", "blended"), approx_key) if approx_key is not None else ())
         raw = np.asarray(tokens[16 * i:16 * i + 16], dtype=np.int64).tobytes()
         parent = xxhash.xxh3_128_digest(b"sparsex/prefix-block/v1\x00" + parent + raw
                                         + b"".join(repr(k).encode() + b"\x00" for k in extra))

@@ -219,6 +219,15 @@ def test_next_turn_continues_blended_blocks_on_the_approximate_chain(llm_sx, llm
     assert out_all.num_reused_tokens == out_all.num_recomputed_tokens
     got = _logits_at_end(eng, t2, reuse={"selector": "all"})
     assert (got - want).norm() / want.norm() < 1e-4
+    # other reuse knobs never continue KV that naive reuse blended: the default blends afresh ...
+    hits1 = eng.stats().approx_prefix_hits
+    out_default, _ = run_to_completion(eng, t2, ONE)
+    assert eng.stats().approx_prefix_hits == hits1
+    assert out_default.num_reused_tokens > 300 and out_default.num_recomputed_tokens > 0
+    # ... and then follows the chain it wrote itself (keyed, not switched off)
+    out_again, _ = run_to_completion(eng, t2, ONE)
+    assert eng.stats().approx_prefix_hits == hits1 + (n2 // 16) * 16 and out_again.num_recomputed_tokens == 0
+    eng.check_integrity()
     # another tenant never continues this tenant's chain
     salted = pieces_prompt(eng, turn2, [True] * 4 + [False] * 3)
     salted.cache_salt = "tenant-b"

@@ -33,26 +33,29 @@ def _digest(parent_value: bytes, token_bytes: bytes, extra_bytes: bytes) -> byte
     return xxhash.xxh3_128_digest(_PREFIX_DOMAIN + parent_value + token_bytes + extra_bytes)
 
 
-# Extra key of every block in the approximate chain: blocks whose KV was computed over reused
+# First extra key of every block in the approximate chain: blocks whose KV was computed over reused
 # (re-rotated, partly recomputed) segments. An exact lookup never carries it, so it can never
-# return such a block; only requests that accept approximate KV follow this chain.
+# return such a block; only requests that accept approximate KV follow this chain. The second extra
+# key is the reuse config that blended the KV (`ReuseConfig.kv_key`): a request follows only the
+# chain its own knobs would have written, never KV blended with fewer recomputed tokens.
 APPROXIMATE_KV = ("kv", "blended")
 
 _CHUNK_BLOCKS = 64          # blocks converted to bytes at a time (a lookup that misses early stops early)
 
 
 def iter_block_hashes(token_ids: list[int], block_size: int, cache_salt: str | None,
-                      parent: BlockHash | None = None, start: int = 0, approximate: bool = False):
+                      parent: BlockHash | None = None, start: int = 0, approx_key: tuple | None = None):
     """Hashes of the full blocks of `token_ids[start:]` (start is block-aligned), chained from `parent`,
     one at a time (a lookup that misses stops hashing). The salt is an extra key of the first block
-    only: every later hash inherits it through the chain. `approximate` puts every block on the
-    approximate chain (`APPROXIMATE_KV`). The token ids are turned into bytes a chunk at a time
+    only: every later hash inherits it through the chain. `approx_key` (a reuse config's `kv_key`)
+    puts every block on that config's approximate chain (`APPROXIMATE_KV`, then the key); None is
+    the exact chain. The token ids are turned into bytes a chunk at a time
     (hashing a 32k-token prompt is on the TTFT path); the values do not depend on the chunking."""
     end = len(token_ids) - len(token_ids) % block_size
     parent_value = parent.value if parent is not None else _NONE_PARENT
     stride = 8 * block_size
     # every block but a salted first one carries the same extra keys: one tuple and its bytes for all
-    extra = (APPROXIMATE_KV,) if approximate else ()
+    extra = (APPROXIMATE_KV, approx_key) if approx_key is not None else ()
     extra_bytes = _extra_bytes(extra)
     for c in range(start, end, _CHUNK_BLOCKS * block_size):
         chunk_end = min(end, c + _CHUNK_BLOCKS * block_size)
@@ -70,9 +73,9 @@ def iter_block_hashes(token_ids: list[int], block_size: int, cache_salt: str | N
 
 def compute_block_hashes(token_ids: list[int], block_size: int, cache_salt: str | None,
                          parent: BlockHash | None = None, start: int = 0,
-                         approximate: bool = False) -> list[BlockHash]:
+                         approx_key: tuple | None = None) -> list[BlockHash]:
     """All of `iter_block_hashes`."""
-    return list(iter_block_hashes(token_ids, block_size, cache_salt, parent, start, approximate))
+    return list(iter_block_hashes(token_ids, block_size, cache_salt, parent, start, approx_key))
 
 
 def token_bytes(token_ids) -> bytes:

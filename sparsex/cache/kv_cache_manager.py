@@ -6,9 +6,10 @@ A request's block table is append-only and laid out by position (block i holds p
 - the exact chain: blocks whose KV equals a plain prefill's. Only these serve ordinary prefix hits,
   so prefix caching on/off never changes an output;
 - the approximate chain: blocks at or after a blended request's first reused position (their KV was
-  computed over re-rotated, partly recomputed segments). Each hash carries `APPROXIMATE_KV`, so an
-  exact lookup can never return one. A later request that accepts approximate KV
-  (`ReuseConfig.approx_prefix`) continues its exact hit along this chain: the next turn of a blended
+  computed over re-rotated, partly recomputed segments). Each hash carries `APPROXIMATE_KV` and the
+  blending request's `ReuseConfig.kv_key`, so an exact lookup can never return one, nor can a request
+  with other reuse knobs. A later request that accepts approximate KV (`ReuseConfig.approx_prefix`)
+  continues its exact hit along its config's chain: the next turn of a blended
   conversation then reuses the previous turn's KV as it is, instead of blending the same history again
   (which would stack one more approximation per turn).
 """
@@ -79,7 +80,7 @@ class KVCacheManager:
         hits: list[KVCacheBlock] = []
         for block_hash in iter_block_hashes(req.all_token_ids[: max_hit_blocks * self.block_size], self.block_size,
                                             req.cache_salt, parent=req.block_hashes[start - 1] if start else None,
-                                            start=start * self.block_size, approximate=True):
+                                            start=start * self.block_size, approx_key=req.reuse.kv_key):
             block = self.pool.lookup(block_hash, parent)
             if block is None:
                 break
@@ -141,7 +142,8 @@ class KVCacheManager:
         else:
             parent = req.block_hashes[start - 1] if start > 0 else None
         req.approx_block_hashes.extend(compute_block_hashes(
-            req.all_token_ids[: n_full * bs], bs, req.cache_salt, parent=parent, start=have * bs, approximate=True))
+            req.all_token_ids[: n_full * bs], bs, req.cache_salt, parent=parent, start=have * bs,
+            approx_key=req.reuse.kv_key))
 
     def cache_approx_blocks(self, req: Request) -> None:
         """Register the request's full computed blocks at or after `exact_prefix_len` on the
