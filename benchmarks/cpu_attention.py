@@ -2,9 +2,13 @@
 the native flash-style kernel is not preferred (AVX2 CPUs).
 
 Rows:
-  fresh prefill of n tokens: GEMM row chunks vs causal SDPA (what such a CPU now runs);
-  n / 7 sparse rows over n keys (SparseX's sparse layers): GEMM row chunks in the model dtype vs in
-  float32 (what a CPU without native bf16 now runs for bf16).
+  fresh prefill of n tokens (causal SDPA now), an extend of n / 8 rows after a cached prefix
+  (prefix hit, chunked prefill), an extend of n - 32 rows after 32 cached (a blend's full layers
+  after an exact hit on the system prompt) and n / 7 sparse rows over n keys (SparseX's sparse
+  layers); the extends and sparse rows run masked SDPA over gathered keys now, 256 rows a call
+  (eighteenth session); each against the GEMM row chunks in the model
+  dtype (what ran before the seventeenth session) and in float32 (for bf16: what a CPU without
+  native bf16 ran in the seventeenth session).
 Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64); K/V/Q are random, which does not
 change the cost. Prints a markdown table of median ms per layer.
 
@@ -18,6 +22,7 @@ import time
 
 import torch
 
+from sparsex.config import cpu_has_native_bf16
 from sparsex.layers.attention_backend import TorchAttentionBackend, build_plan
 from sparsex.layers.attention_metadata import AttentionMetadata
 
@@ -32,12 +37,12 @@ def _metadata(rows: torch.Tensor, n: int) -> AttentionMetadata:
                              table, t, n, [0, t], [n], contiguous=contiguous)
 
 
-def _time_layer(query, k_cache, v_cache, rows, n, gemm_dtype, sdpa_prefill, repeats) -> float:
+def _time_layer(query, k_cache, v_cache, rows, n, gemm_dtype, sdpa, repeats) -> float:
     """Median ms of one layer's attention with the plan fixed to the given choices."""
     def once():
         md = _metadata(rows, n)
         md.backend_plan = build_plan(md, BS, H // KVH, gemm_dtype, native=True, native_multi=False,
-                                     sdpa_prefill=sdpa_prefill)
+                                     sdpa=sdpa)
         return TorchAttentionBackend.attention(query, k_cache, v_cache, md, D ** -0.5)
     once()
     times = []
@@ -58,26 +63,28 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
           f"{torch.get_num_threads()} threads")
-    print("| dtype | rows | keys | GEMM chunks, model dtype (ms) | now (ms) | now runs |")
-    print("|---|---|---|---|---|---|")
+    print("| dtype | rows | keys | GEMM chunks, model dtype (ms) | GEMM chunks, float32 (ms) | now (ms) | now runs |")
+    print("|---|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
+        # what the backend computes masked SDPA and chunks in on this CPU
+        compute = torch.float32 if dtype == torch.bfloat16 and not cpu_has_native_bf16() else dtype
         for n in map(int, args.lengths.split(",")):
             k_cache = torch.randn(n // BS + 1, BS, KVH, D, generator=g).to(dtype)
             v_cache = torch.randn(n // BS + 1, BS, KVH, D, generator=g).to(dtype)
-            for kind, rows in (("fresh prefill", torch.arange(n)), ("sparse rows", torch.arange(0, n, 7))):
+            for kind, rows in (("fresh prefill", torch.arange(n)), ("extend", torch.arange(n - n // 8, n)),
+                               ("extend after 32 cached", torch.arange(32, n)), ("sparse rows", torch.arange(0, n, 7))):
                 query = torch.randn(rows.numel(), H, D, generator=g).to(dtype)
-                before = _time_layer(query, k_cache, v_cache, rows, n, dtype, False, args.repeats)
-                if kind == "fresh prefill":
-                    now, how = _time_layer(query, k_cache, v_cache, rows, n, dtype, True, args.repeats), "causal SDPA"
-                elif dtype == torch.bfloat16:
-                    now, how = _time_layer(query, k_cache, v_cache, rows, n, torch.float32, False, args.repeats), \
-                        "chunks in float32"
-                else:
-                    now, how = before, "chunks (unchanged)"
+                run = lambda gemm_dtype, sdpa: _time_layer(query, k_cache, v_cache, rows, n, gemm_dtype, sdpa,
+                                                           args.repeats)
+                before = run(dtype, False)
+                in_f32 = f"{run(torch.float32, False):.1f}" if dtype != torch.float32 else "-"
+                now = run(compute, True)
+                how = "causal SDPA" if kind == "fresh prefill" else "masked SDPA"
+                if kind != "fresh prefill" and compute != dtype:
+                    how += " in float32"
                 print(f"| {str(dtype).removeprefix('torch.')} | {kind} ({rows.numel()}) | {n} | {before:.1f} | "
-                      f"{now:.1f} | {how} |", flush=True)
-
+                      f"{in_f32} | {now:.1f} | {how} |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -3,8 +3,8 @@
 Covers every row shape a step can have (plain prefill, prefix-hit extend, sparse rows at
 scattered positions, single-row decodes of different lengths, all mixed in one step), several
 row chunks per sequence, shuffled block tables, both dtypes, both single-row paths (the native
-decode kernel and the gathered SDPA fallback) and both multi-row ones (the native flash-style kernel;
-causal SDPA for a fresh prefill and GEMM row chunks for the rest)."""
+decode kernel and the gathered SDPA fallback) and every multi-row one (the native flash-style kernel;
+causal SDPA for a fresh prefill, masked SDPA and GEMM row chunks for the rest)."""
 from __future__ import annotations
 
 import pytest
@@ -51,13 +51,14 @@ def _metadata(seq_rows_pos: list[list[int]], seq_lens: list[int], tables: list[l
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("chunk_elems", [1 << 19, 64])   # one chunk per sequence / many small chunks
+# one chunk per sequence and masked SDPA where it fits / many small chunks and no masked SDPA
+@pytest.mark.parametrize("chunk_elems", [1 << 19, 64])
 @pytest.mark.parametrize("native,native_multi", [(True, True), (True, False), (False, False)])
 @pytest.mark.parametrize("pass_kv", [False, True])
 def test_matches_reference_on_every_row_shape(monkeypatch, dtype, atol, chunk_elems, native, native_multi, pass_kv):
     """(True, True): both native kernels (an AVX-512 CPU); (True, False): the native decode kernel,
-    causal SDPA for the fresh prefill and GEMM row chunks for the other multi-row sequences (an
-    AVX2-only CPU); (False, False): torch only. `pass_kv`: the step's own K/V rows are given, as the
+    causal SDPA for the fresh prefill and masked SDPA (or, past its mask budget, GEMM row chunks)
+    for the other multi-row sequences (an AVX2-only CPU); (False, False): torch only. `pass_kv`: the step's own K/V rows are given, as the
     model passes them (the fresh prefill's SDPA reads them instead of the cache)."""
     if native and cpu_kernels.native() is None:
         pytest.skip("native CPU kernels not available")
@@ -66,6 +67,9 @@ def test_matches_reference_on_every_row_shape(monkeypatch, dtype, atol, chunk_el
     monkeypatch.setattr(cpu_kernels, "multi_row_preferred", lambda: native_multi)
     monkeypatch.setattr(ab, "_CHUNK_SCORE_ELEMS", chunk_elems)
     monkeypatch.setattr(ab, "_MIN_CHUNK", 4)
+    # the extend (12 x 29) fits, the sparse rows (13 x <= 50) do not: both SDPA paths and the chunks
+    monkeypatch.setattr(ab, "_MAX_SDPA_MASK_ELEMS", 12 * 29 if chunk_elems == 1 << 19 else 0)
+    monkeypatch.setattr(ab, "_SDPA_CHUNK_ROWS", 5)       # several SDPA calls, each over the keys its rows see
     g = torch.Generator().manual_seed(0)
     seq_lens = [37, 29, 50, 9, 23, 41]
     seq_rows_pos = [
@@ -99,9 +103,12 @@ def test_matches_reference_on_every_row_shape(monkeypatch, dtype, atol, chunk_el
     if native_multi:                                      # the flash kernel: row chunks do not apply
         assert isinstance(plan.multi, ab._NativeMultiRowBatch) and plan.multi.query_start.numel() == 4
     else:
-        assert len(plan.multi) == 2 and [(c.r0, c.r1) for c in plan.causal] == [(0, 37)]
+        assert [(c.r0, c.r1) for c in plan.causal] == [(0, 37)]
         if chunk_elems == 64:
-            assert all(len(seq.chunks) > 1 for seq in plan.multi)
+            assert len(plan.multi) == 2 and not plan.masked and all(len(seq.chunks) > 1 for seq in plan.multi)
+        else:
+            assert len(plan.multi) == 1 and [m.slots.numel() for m in plan.masked] == [29]
+            assert [(c.r0, c.r1, c.mask.shape[1]) for c in plan.masked[0].chunks] == [(37, 42, 22), (42, 47, 27), (47, 49, 29)]
     # a second layer reuses the plan
     again = TorchAttentionBackend.attention(query, k_cache, v_cache, md, scale, **kv)
     assert md.backend_plan is plan and torch.equal(out, again)
@@ -136,21 +143,27 @@ def test_select_rows_with_given_counts_matches_the_derived_ones():
         md.select_rows(keep, [3, 3])
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("native_bf16", [False, True])
-def test_row_chunks_compute_in_float32_where_bf16_gemms_are_emulated(monkeypatch, native_bf16):
+def test_sparse_rows_compute_in_float32_where_bf16_gemms_are_emulated(monkeypatch, native_bf16, masked):
     """bf16 GEMMs on a CPU without native bf16 (AVX2) ran 20-75x slower than float32 at 0.5-4k keys:
-    the row chunks then compute in float32 and round the output to bf16 once."""
+    the row chunks and the masked SDPA then compute in float32 and round the output to bf16 once."""
     monkeypatch.setattr(ab, "cpu_has_native_bf16", lambda: native_bf16)
     monkeypatch.setattr(cpu_kernels, "multi_row_preferred", lambda: False)
+    monkeypatch.setattr(ab, "_MAX_SDPA_MASK_ELEMS", 1 << 24 if masked else 0)
     g = torch.Generator().manual_seed(2)
-    rows, tables = [[3, 9, 14, 15]], [[2, 0, 3, 1]]      # sparse rows: row chunks, not SDPA
+    rows, tables = [[3, 9, 14, 15]], [[2, 0, 3, 1]]      # sparse rows: masked SDPA or row chunks
     md = _metadata(rows, [16], tables)
     k_cache = torch.randn(4, BS, KVH, D, generator=g).bfloat16()
     v_cache = torch.randn(4, BS, KVH, D, generator=g).bfloat16()
     query = torch.randn(4, H, D, generator=g).bfloat16()
     out = TorchAttentionBackend.attention(query, k_cache, v_cache, md, 0.25)
-    assert md.backend_plan.gemm_dtype == (torch.bfloat16 if native_bf16 else torch.float32)
-    assert out.dtype == torch.bfloat16 and not md.backend_plan.causal
+    plan = md.backend_plan
+    want = torch.bfloat16 if native_bf16 else torch.float32
+    assert plan.gemm_dtype == want and not plan.causal
+    assert [c.mask.dtype for m in plan.masked for c in m.chunks] == ([want] if masked else [])
+    assert len(plan.multi) == (not masked)
+    assert out.dtype == torch.bfloat16
     ref = _reference(query, k_cache, v_cache, [range(4)], md.positions.tolist(), tables, 0.25)
     torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=0)
 
