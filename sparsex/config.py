@@ -114,9 +114,10 @@ class ReuseConfig:
         """Every knob the KV of a blend depends on (all but `approx_prefix`, which only says whether
         the approximate prefix chain is read and written): that chain's key (cache/block_hash.py), so
         a request never continues KV blended under other knobs, e.g. with fewer recomputed tokens.
-        Ratios are floats here, so 0 and 0.0 name the same chain."""
-        return tuple((f.name, float(getattr(self, f.name)) if f.type == "float" else getattr(self, f.name))
-                     for f in dataclasses.fields(self) if f.name != "approx_prefix")
+        Numbers are floats here, so recompute_ratio=0 and 0.0 name the same chain."""
+        def norm(v):
+            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+        return tuple((f.name, norm(getattr(self, f.name))) for f in dataclasses.fields(self) if f.name != "approx_prefix")
 
     def resolved(self, num_layers: int) -> ReuseConfig:
         """This config with `rescore_layers=None` made explicit: AUTO_RESCORE_LAYERS for sparse_q when

@@ -138,6 +138,12 @@ def _slots_of(block_table: torch.Tensor, n: int, block_size: int) -> torch.Tenso
     return block_table[p // block_size].to(torch.int64) * block_size + p % block_size   # [n]
 
 
+def _hidden_bias(row_pos: torch.Tensor, k0: int, kend: int, neg_inf: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """[rows, kend - k0]: -inf where key position k0.. is past the row's position, else 0."""
+    key_pos = torch.arange(k0, kend, device=row_pos.device)
+    return torch.where(key_pos[None, :] > row_pos[:, None], neg_inf, zero)
+
+
 def _chunk_rows(num_kv_groups: int, kend: int) -> int:
     c = _CHUNK_SCORE_ELEMS // max(1, num_kv_groups * kend)
     c = 1 << max(0, int(math.log2(max(1, c))))
@@ -204,8 +210,7 @@ def build_plan(md: AttentionMetadata, block_size: int, num_kv_groups: int, dtype
                 r1 = min(q1, r0 + _SDPA_CHUNK_ROWS)
                 kend = max(positions[r0:r1]) + 1
                 mask_budget -= (r1 - r0) * kend
-                hidden = torch.arange(kend, device=dev)[None, :] > md.positions[r0:r1].to(dev)[:, None]  # [rows, kend]
-                chunks.append(_MaskedChunk(r0, r1, torch.where(hidden, neg_inf, zero)))
+                chunks.append(_MaskedChunk(r0, r1, _hidden_bias(md.positions[r0:r1].to(dev), 0, kend, neg_inf, zero)))
             masked.append(_MaskedSeq(_slots_of(md.block_tables[s], kmax, block_size), chunks))
         elif q1 > q0:
             rows_pos = positions[q0:q1]
@@ -216,11 +221,7 @@ def build_plan(md: AttentionMetadata, block_size: int, num_kv_groups: int, dtype
                 r1 = min(q1, r0 + c)
                 pos = rows_pos[r0 - q0:r1 - q0]
                 kend, mstart = max(pos) + 1, min(pos) + 1
-                bias = None
-                if mstart < kend:
-                    key_pos = torch.arange(mstart, kend, device=dev)
-                    hidden = key_pos[None, :] > torch.tensor(pos, device=dev)[:, None]   # [rows, kend - mstart]
-                    bias = torch.where(hidden, neg_inf, zero)
+                bias = _hidden_bias(md.positions[r0:r1].to(dev), mstart, kend, neg_inf, zero) if mstart < kend else None
                 chunks.append(_RowChunk(r0, r1, kend, mstart, bias))
             multi.append(_MultiRowSeq(_slots_of(md.block_tables[s], kmax, block_size), chunks))
     single = None
