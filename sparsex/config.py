@@ -37,6 +37,9 @@ def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     return _DTYPES[dtype]
 
 
+_NOT_IN_KV_KEY = ("approx_prefix", "merge_encodings", "blend")
+
+
 @dataclass
 class ReuseConfig:
     """Segment-reuse knobs (engine defaults; each can be overridden per request)."""
@@ -71,6 +74,15 @@ class ReuseConfig:
     # (`resolved`), one stage for every other selector. docs/benchmarks.md, "two-stage selection".
     rescore_layers: int | None = None
     candidate_ratio: float = 0.5
+    # merged encodings: when a request computes exactly (no blend) a segment the index already holds,
+    # the entry becomes the mean of up to this many encodings (keys re-rotated to one position). A
+    # mean over contexts is nearer any new context than one encoding: on rag, deep-layer K/V deviation
+    # falls by a third with two, and the default's KL by 45% (docs/benchmarks.md, "nineteenth
+    # session"). 1 = keep the first encoding.
+    merge_encodings: int = 4
+    # False: this request reuses no segment (computed exactly; exact prefix caching still applies) but
+    # indexes its segments, or merges them into the entries: what a corpus ingestion pass sends
+    blend: bool = True
 
     def verify(self, num_layers: int | None = None) -> None:
         if self.selector not in SELECTORS:
@@ -93,6 +105,10 @@ class ReuseConfig:
             raise ValueError(f"min_blend_tokens must be an integer >= 0, got {self.min_blend_tokens!r}")
         if not isinstance(self.approx_prefix, bool):
             raise ValueError(f"approx_prefix must be a bool, got {self.approx_prefix!r}")
+        if not isinstance(self.merge_encodings, int) or isinstance(self.merge_encodings, bool) or self.merge_encodings < 1:
+            raise ValueError(f"merge_encodings must be an integer >= 1, got {self.merge_encodings!r}")
+        if not isinstance(self.blend, bool):
+            raise ValueError(f"blend must be a bool, got {self.blend!r}")
         if self.selector in PROBE_SELECTORS and self.full_layers < 1:
             raise ValueError(f"selector {self.selector!r} scores tokens with a full layer: full_layers must be >= 1")
         if self.rescore_layers is not None and (not isinstance(self.rescore_layers, int) or self.rescore_layers < 0):
@@ -112,12 +128,13 @@ class ReuseConfig:
     @property
     def kv_key(self) -> tuple:
         """Every knob the KV of a blend depends on (all but `approx_prefix`, which only says whether
-        the approximate prefix chain is read and written): that chain's key (cache/block_hash.py), so
-        a request never continues KV blended under other knobs, e.g. with fewer recomputed tokens.
-        Numbers are floats here, so recompute_ratio=0 and 0.0 name the same chain."""
+        the approximate prefix chain is read and written, and `merge_encodings` / `blend`, which
+        decide what the index keeps and whether a request blends at all): that chain's key
+        (cache/block_hash.py), so a request never continues KV blended under other knobs, e.g. with
+        fewer recomputed tokens. Numbers are floats here, so recompute_ratio=0 and 0.0 name the same chain."""
         def norm(v):
             return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
-        return tuple((f.name, norm(getattr(self, f.name))) for f in dataclasses.fields(self) if f.name != "approx_prefix")
+        return tuple((f.name, norm(getattr(self, f.name))) for f in dataclasses.fields(self) if f.name not in _NOT_IN_KV_KEY)
 
     def resolved(self, num_layers: int) -> ReuseConfig:
         """This config with `rescore_layers=None` made explicit: AUTO_RESCORE_LAYERS for sparse_q when

@@ -149,6 +149,8 @@ def test_approximate_chains_are_keyed_by_the_reuse_config():
     assert chain(ReuseConfig(recompute_ratio=0.125, approx_prefix=False).kv_key) == default
     assert chain(ReuseConfig(recompute_ratio=0, selector="none").kv_key) == chain(
         ReuseConfig(recompute_ratio=0.0, selector="none").kv_key)
+    # what the index keeps and whether a request blends do not change a blend's KV
+    assert chain(ReuseConfig(merge_encodings=1, blend=False).kv_key) == default
     for other in (ReuseConfig(recompute_ratio=0.3), ReuseConfig(selector="none"), ReuseConfig(full_layers=4),
                   ReuseConfig(rescore_layers=0)):
         assert not set(chain(other.kv_key)) & set(default)
@@ -187,3 +189,34 @@ def test_block_hash_values_follow_the_documented_input(salt, approx_key):
         parent = xxhash.xxh3_128_digest(b"sparsex/prefix-block/v1\x00" + parent + raw
                                         + b"".join(repr(k).encode() + b"\x00" for k in extra))
         assert h.value == parent and h.token_bytes == raw and h.extra_keys == extra
+
+
+def test_segment_copy_on_write_needs_free_blocks_and_leaves_the_old_holders_alone():
+    """An entry about to change its KV in place (merged encodings) first gets blocks of its own;
+    with no free block the copy is skipped and nothing changes. The old blocks keep their other
+    holders (here a running request), and the entry's blocks are then its alone."""
+    from sparsex.segment.segment_index import SegmentIndex
+    pool = BlockPool(4, enable_caching=True)
+    index = SegmentIndex(pool, block_size=16)
+    held = pool.get_new_blocks(4)                          # a request holds every block
+    entry = index.insert(list(range(20)), None, held, start_pos=8)   # positions 8..27: blocks 0, 1
+    assert entry.blocks == held[:2] and not index.owns_blocks(entry)
+    copies = []
+    assert not index.copy_on_write(entry, lambda old, new: copies.append((old, new)))
+    assert copies == [] and entry.blocks == held[:2]
+    pool.free_blocks(list(reversed(held)))                 # the request ends: blocks 2, 3 free
+    pool.check_integrity(index.block_refs())
+    assert index.copy_on_write(entry, lambda old, new: copies.append((old, new)))
+    (old, new), = copies
+    assert old == held[:2] and entry.blocks == new and not set(new) & set(held[:2])
+    assert index.owns_blocks(entry) and all(b.ref_cnt == 0 for b in held[:2])
+    pool.check_integrity(index.block_refs())
+    index.lock(entry)
+    with pytest.raises(RuntimeError, match="locked"):
+        index.copy_on_write(entry, lambda old, new: None)
+    index.unlock(entry)
+    entry.num_encodings = 2
+    index.check_integrity()
+    pool.touch(entry.blocks[:1])                           # a merged entry must not share its blocks
+    with pytest.raises(RuntimeError, match="shares its blocks"):
+        index.check_integrity()

@@ -616,3 +616,85 @@ def test_one_step_blends_one_and_two_stage_requests_as_alone(llm_sx, passages):
         assert max(abs(la[x] - lt[x]) for x in la) < 1e-3
     assert alone[0].num_candidate_tokens > alone[0].num_recomputed_tokens                # two stages
     assert alone[1].num_candidate_tokens == alone[1].num_recomputed_tokens               # one
+
+
+def _entry_kv(eng, entry, n, blocks=None):
+    """Per layer, the (K, V) rows [n, kv_heads, head_dim] an index entry holds (or other blocks laid
+    out like its own)."""
+    bs = eng.config.block_size
+    pos = torch.arange(entry.start_pos, entry.start_pos + n)
+    ids = torch.tensor([b.block_id for b in (blocks or entry.blocks)])
+    slots = ids[pos // bs - entry.start_pos // bs] * bs + pos % bs
+    return [(k.view(-1, *k.shape[2:])[slots].clone(), v.view(-1, *v.shape[2:])[slots].clone())
+            for k, v in eng.runner.kv_caches]
+
+
+def test_merged_encodings_are_the_mean_of_exact_encodings_and_copy_on_write(llm_sx, llm_none, passages):
+    """A segment the index holds, computed again exactly (`blend=False`: an ingestion pass) in
+    another context, turns its entry into the mean of the two encodings, the second's keys
+    re-rotated to the entry's positions. The entry gets blocks of its own first: its old blocks are
+    the first request's exact prefix-cache blocks and keep the first encoding bit for bit. The
+    `merge_encodings` cap holds, an early encoding is not mixed into a later one, and a `blend=False`
+    request is exact: it reuses nothing."""
+    eng = llm_sx.llm_engine
+    tok = lambda x: eng.tokenizer.encode(x, add_special_tokens=False)
+    p1 = tok(passages[1])
+    n = len(p1)
+    a = _prompt(eng, HEAD * 8, passages[:2], QUESTION)
+    b = _prompt(eng, "Another head, long enough to be no early context.\n" * 6, passages[2:4] + passages[1:2], QUESTION)
+    exact = {"blend": False}
+
+    def first_encoding(prompt):
+        eng.reset_cache()
+        out, _ = run_to_completion(eng, prompt, ONE, reuse=exact)
+        entry = eng.segment_index.lookup(p1, None, count=False)
+        return out, entry, _entry_kv(eng, entry, n)
+
+    _, e2, enc2 = first_encoding(b)
+    pos2 = e2.start_pos
+    _, e, enc1 = first_encoding(a)
+    pos1, old_blocks = e.start_pos, list(e.blocks)
+    assert 128 <= pos1 != pos2 >= 128
+    assert not eng.segment_index.owns_blocks(e)             # a's exact prefix-cache blocks
+
+    out, _ = run_to_completion(eng, b, ONE, reuse=exact)     # p1 is a hit, but b does not blend
+    assert out.num_reused_tokens == 0 and out.num_recomputed_tokens == 0
+    m = eng.segment_index.lookup(p1, None, count=False)
+    assert m is e and m.num_encodings == 2 and m.start_pos == pos1 and eng.segment_index.owns_blocks(m)
+    eng.check_integrity()
+    inv_freq = eng.runner.model.rotary.inv_freq.double()
+    angle = (pos1 - pos2) * inv_freq[None, :].expand(n, -1)                  # [n, head_dim / 2]
+    cos, sin = angle.cos().float(), angle.sin().float()
+    merged = _entry_kv(eng, m, n)
+    for (k1, v1), (k2, v2), (km, vm) in zip(enc1, enc2, merged):
+        torch.testing.assert_close(km, (k1 + rotate(k2, cos, sin)) / 2, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(vm, (v1 + v2) / 2, rtol=1e-4, atol=1e-5)
+    assert max((k1 - km).abs().max().item() for (k1, _), (km, _) in zip(enc1[2:], merged[2:])) > 1e-3
+    for (k1, v1), (k0, v0) in zip(enc1, _entry_kv(eng, m, n, blocks=old_blocks)):
+        assert torch.equal(k1, k0) and torch.equal(v1, v0)      # the prefix-cache copy is untouched
+    # ... so a's prefix hit is still exact
+    want = _logits_at_end(llm_none.llm_engine, a, k=1)
+    out, _ = run_to_completion(eng, a, ONE)
+    assert out.num_cached_tokens >= len(a.token_ids) - eng.config.block_size
+    torch.testing.assert_close(_logits_at_end(eng, a, k=1), want, rtol=1e-4, atol=1e-4)
+
+    # the cap: with merge_encodings=2 a third exact encoding leaves the entry as it is
+    c = _prompt(eng, "A third head, also long enough for context.\n" * 6, passages[4:5] + passages[1:2], QUESTION)
+    run_to_completion(eng, c, ONE, reuse={**exact, "merge_encodings": 2})
+    assert m.num_encodings == 2
+    assert all(torch.equal(x, y) for (kx, vx), (ky, vy) in zip(merged, _entry_kv(eng, m, n)) for x, y in ((kx, ky), (vx, vy)))
+    # an encoding right after a short head (early) is not mixed into a later one
+    d = _prompt(eng, "Short.\n", passages[1:2], QUESTION)
+    run_to_completion(eng, d, ONE, reuse=exact)
+    assert m.num_encodings == 2
+    c2 = _prompt(eng, "A fourth head (c itself is a prefix hit now).\n" * 6, passages[4:5] + passages[1:2], QUESTION)
+    run_to_completion(eng, c2, ONE, reuse=exact)             # the default cap (4) takes a third
+    assert m.num_encodings == 3
+    # merge_encodings=1: the first encoding stays, blocks shared
+    _, e, enc1 = first_encoding(a)
+    run_to_completion(eng, b, ONE, reuse={**exact, "merge_encodings": 1})
+    assert e.num_encodings == 1 and not eng.segment_index.owns_blocks(e)
+    assert all(torch.equal(x, y) for (kx, vx), (ky, vy) in zip(enc1, _entry_kv(eng, e, n)) for x, y in ((kx, ky), (vx, vy)))
+    for bad in ({"merge_encodings": 0}, {"merge_encodings": 1.5}, {"blend": "no"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            run_to_completion(eng, a, ONE, reuse=bad)

@@ -304,6 +304,8 @@ CHAT_ERRORS = [
     ({"messages": [{"role": "user", "content": "hi"}], "reuse": {"min_blend_tokens": -1}}, None),
     ({"messages": [{"role": "user", "content": "hi"}], "reuse": {"candidate_ratio": 2.0}}, None),
     ({"messages": [{"role": "user", "content": "hi"}], "reuse": {"boundary_share": -0.1}}, None),
+    ({"messages": [{"role": "user", "content": "hi"}], "reuse": {"merge_encodings": 0}}, None),
+    ({"messages": [{"role": "user", "content": "hi"}], "reuse": {"blend": "sometimes"}}, None),
     ({"messages": [{"role": "user", "content": "hi"}], "reuse": {"rescore_layers": 2, "candidate_ratio": 0.05}}, None),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages.0.content.0"),
     ({"messages": [{"role": "user", "content": "hi"}], "seed": 2 ** 70}, "seed"),

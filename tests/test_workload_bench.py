@@ -142,6 +142,24 @@ def test_rag_prewarm_ingests_every_passage_before_the_replay(tmp_path, engines) 
     cold_naive = {s.policy: s for s in wb.run_workload_bench(cold, engines)}["naive"]
     assert summaries["naive"].compute_share < cold_naive.compute_share     # more reused, less computed
     assert "after ingesting" in (tmp_path / "warm" / "summary.md").read_text()
+    # the later ingestion passes (the default prewarm_passes=3) compute every passage again in
+    # another grouping and merges that encoding into its entry
+    env = json.loads((tmp_path / "warm" / "summary.json").read_text())["environment"]
+    assert env["prewarm_passes"] == 3 and env["merged_encodings"] >= 1
+    w = wb._tokenized_workload(engines, lambda tok: wb.build_workload(cfg, tok), prewarm=True,
+                               make_preamble=lambda tok, used: wb.ingestion_preamble(cfg, tok, used),
+                               prewarm_passes=3, seed=1)
+    assert len(w.rewarm_prompts) == 2 * len(w.warm_prompts)
+    # the same passages, every pass, in other groupings (seeded: the same again)
+    again = wb._tokenized_workload(engines, lambda tok: wb.build_workload(cfg, tok), prewarm=True,
+                                   make_preamble=lambda tok, used: wb.ingestion_preamble(cfg, tok, used),
+                                   prewarm_passes=3, seed=1)
+    assert [p.token_ids for p in again.rewarm_prompts] == [p.token_ids for p in w.rewarm_prompts]
+    n, total = len(w.warm_prompts), (lambda ps: sum(len(p.token_ids) for p in ps))
+    assert total(w.rewarm_prompts[:n]) == total(w.warm_prompts) == total(w.rewarm_prompts[n:])
+    assert [p.token_ids for p in w.rewarm_prompts[:n]] != [p.token_ids for p in w.warm_prompts]
+    with pytest.raises(ValueError, match="prewarm_passes"):
+        wb.WorkloadBenchConfig(workload="rag", prewarm=True, prewarm_passes=0).verify()
     with pytest.raises(ValueError, match="prewarm"):
         wb.WorkloadBenchConfig(workload="chat", prewarm=True).verify()
 

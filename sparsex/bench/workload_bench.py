@@ -51,6 +51,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import string
 import subprocess
@@ -115,6 +116,10 @@ class WorkloadBenchConfig:
     # rag: before each policy's replay, prefill every passage the workload uses once (after the system
     # head), untimed, as a service that ingests its corpus ahead of queries: the steady state
     prewarm: bool = False
+    # rag --prewarm: ingest the corpus this many times, each pass after the first in another random
+    # grouping and order, sent with reuse blend=False so the engine merges each passage's encodings
+    # (ReuseConfig.merge_encodings): docs/benchmarks.md, "nineteenth session"
+    prewarm_passes: int = 3
     out: str = "workload_bench_out"
     plot_dir: str | None = None          # default: --out
     progress: bool = True
@@ -132,6 +137,7 @@ class WorkloadBenchConfig:
             _positive("num_blocks", self.num_blocks)
         if self.prewarm and self.workload != "rag":
             raise ValueError(f"prewarm ingests the rag corpus; got workload {self.workload!r}")
+        _positive("prewarm_passes", self.prewarm_passes)
         p = self.params
         for name in ("queries", "k", "num_passages", "users", "turns", "context_budget", "num_topics", "sessions",
                      "results_per_call", "num_docs"):
@@ -642,17 +648,20 @@ class TokenizedWorkload:
     block_size: int
     tokenizer: Any
     warm_prompts: list[TokenizedPrompt] = field(default_factory=list)   # rag prewarm: head + k passages
+    # rag prewarm, passes 2..: the same passages in other groups and orders (computed exactly, merged)
+    rewarm_prompts: list[TokenizedPrompt] = field(default_factory=list)
 
 
 def _tokenized_workload(engines: EngineCache, make: Callable[[Any], list[Request]], prewarm: bool = False,
-                        make_preamble: Callable[[Any, set[str]], str] | None = None) -> TokenizedWorkload:
+                        make_preamble: Callable[[Any, set[str]], str] | None = None, prewarm_passes: int = 1,
+                        seed: int = 0) -> TokenizedWorkload:
     """The workload built with a one-block engine's tokenizer: only the tokenizer and the model's
     shape are needed, and the KV pools are sized from the prompts."""
     from sparsex.bench.fidelity import pieces_prompt
     probe, _ = engines.take("none", "timed", 1, warm=False)
     requests = make(probe.tokenizer)
     prompts = [pieces_prompt(probe, r.segments, [True] * len(r.segments)) for r in requests]
-    warm = []
+    warm, rewarm = [], []
     if prewarm:
         # rag: segments = [system head, k passages, question]. Every distinct passage once, k to a prompt
         # in first-use order, so each one's KV is computed after other passages, as in a query: KV of a
@@ -663,22 +672,32 @@ def _tokenized_workload(engines: EngineCache, make: Callable[[Any], list[Request
         passages = list(dict.fromkeys(p for r in requests for p in r.segments[1:-1]))
         head, k = requests[0].segments[0], max(1, len(requests[0].segments) - 2)
         preamble = make_preamble(probe.tokenizer, set(passages)) if make_preamble is not None else None
-        for i in range(0, len(passages), k):
-            chunk = passages[i:i + k]
-            lead = [preamble] if preamble is not None else []
-            warm.append(pieces_prompt(probe, [head, *lead, *chunk, "\n"],
-                                      [True] + [False] * len(lead) + [True] * (len(chunk) + 1)))
+        lead = [preamble] if preamble is not None else []
+        # passes after the first: each passage again after other passages, a seeded shuffle per pass,
+        # so the engine can merge its encodings over several contexts
+        rng = random.Random(seed)
+        for p in range(prewarm_passes):
+            order = passages if p == 0 else rng.sample(passages, len(passages))
+            for i in range(0, len(order), k):
+                chunk = order[i:i + k]
+                (warm if p == 0 else rewarm).append(pieces_prompt(
+                    probe, [head, *lead, *chunk, "\n"], [True] + [False] * len(lead) + [True] * (len(chunk) + 1)))
     return TokenizedWorkload(requests, prompts, FlopModel.from_config(probe.model_config),
-                             probe.config.block_size, probe.tokenizer, warm)
+                             probe.config.block_size, probe.tokenizer, warm, rewarm)
 
 
-def _prewarm(engine: LLMEngine, prompts: list[TokenizedPrompt]) -> None:
+def _prewarm(engine: LLMEngine, w: TokenizedWorkload) -> None:
     """Ingest the corpus: untimed prefills of k passages each (their KV then serves as segments;
-    for prefix caching the head + first passage blocks are cached)."""
+    for prefix caching the head + first passage blocks are cached), then the later passes, which
+    compute every passage exactly (`blend=False`) in other contexts: the engine merges those
+    encodings into the entries (a prefix-caching engine just caches more blocks)."""
     from sparsex.bench.fidelity import run_to_completion
     from sparsex.sampling_params import SamplingParams
-    for prompt in prompts:
-        run_to_completion(engine, prompt, SamplingParams(temperature=0, max_tokens=1))
+    one = SamplingParams(temperature=0, max_tokens=1)
+    for prompt in w.warm_prompts:
+        run_to_completion(engine, prompt, one)
+    for prompt in w.rewarm_prompts:
+        run_to_completion(engine, prompt, one, reuse={"blend": False} if engine.segment_index is not None else None)
 
 
 def _pool_blocks(prompts: list[TokenizedPrompt], extra: int, block_size: int, whole: bool) -> int:
@@ -700,7 +719,8 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
     engines = engines or EngineCache(cfg.model, cfg.dtype, device=cfg.device)
     t_start = time.time()
     w = _tokenized_workload(engines, lambda tok: build_workload(cfg, tok), prewarm=cfg.prewarm,
-                            make_preamble=lambda tok, used: ingestion_preamble(cfg, tok, used))
+                            make_preamble=lambda tok, used: ingestion_preamble(cfg, tok, used),
+                            prewarm_passes=cfg.prewarm_passes, seed=cfg.params.seed)
     env = environment(cfg.model, cfg.dtype, cfg.device)     # after the first engine: it checks the device
     requests, prompts, flops, bs = w.requests, w.prompts, w.flops, w.block_size
     if own:
@@ -720,13 +740,14 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
     if own:
         engines.release("none")
 
-    whole = _pool_blocks(prompts + w.warm_prompts, extra, bs, whole=True)
+    whole = _pool_blocks(prompts + w.warm_prompts + w.rewarm_prompts, extra, bs, whole=True)
     num_blocks = cfg.num_blocks or min(whole, _MAX_AUTO_BLOCKS)
     if num_blocks < whole:
         # then cached blocks get evicted, and the twin (which holds a few more blocks per request)
         # may evict different ones: its counters can then differ (`twin_match`)
         print(f"note: KV pool of {num_blocks} blocks < the {whole} the whole workload would occupy: "
               f"caches will evict", file=sys.stderr)
+    merged = 0            # encodings the prewarm merged into segment entries (one engine's count)
     for cache in ("prefix", "sparsex"):
         group = [p for p in policies if p.cache == cache]
         for policy in group:
@@ -734,7 +755,10 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
             twin = engines.take(cache, "twin", num_blocks)[0] if any(fid) else None
             for engine in (timed, twin) if cfg.prewarm else ():
                 if engine is not None:
-                    _prewarm(engine, w.warm_prompts)
+                    before = engine.runner.blender.merged_encodings if engine.runner.blender is not None else 0
+                    _prewarm(engine, w)
+                    if engine.runner.blender is not None:
+                        merged = engine.runner.blender.merged_encodings - before
             records += replay_policy(cfg, policy, timed, plans, twin, requests, prompts, refs, fid, flops)
             del timed, plans, twin
         if own:
@@ -750,7 +774,8 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
     compare_to_default(summaries, records)
     env.update(wall_seconds=round(time.time() - t_start, 1), load_avg_end=_loadavg(), num_blocks=num_blocks,
                workload_blocks=whole, num_requests=len(requests), fidelity_requests=sum(fid),
-               prewarm_prompts=len(w.warm_prompts))
+               prewarm_prompts=len(w.warm_prompts), prewarm_passes=cfg.prewarm_passes if cfg.prewarm else 0,
+               merged_encodings=merged)
     write_outputs(cfg.out, cfg, policies, records, summaries, env)
     stem = os.path.join(cfg.plot_dir or cfg.out, f"workload_{cfg.workload}{'_sweep' if cfg.sweep else ''}")
     plot_pareto(summaries, stem + "_pareto.png", cfg, env)
@@ -929,7 +954,7 @@ def write_outputs(out: str, cfg: WorkloadBenchConfig, policies: list[Policy], re
     _write_csv(os.path.join(out, "summary.csv"), [asdict(s) for s in summaries])
     with open(os.path.join(out, "summary.md"), "w") as f:
         warm = (f" after ingesting the corpus in {env['prewarm_prompts']} prompts, each opened by a preamble "
-                "passage (untimed)") if cfg.prewarm else ""
+                f"passage, {env['prewarm_passes']} pass(es) (untimed)") if cfg.prewarm else ""
         f.write(f"{cfg.workload}: {env['num_requests']} requests{warm}, fidelity on {env['fidelity_requests']} "
                 f"({_horizon(cfg)}); {env['model']} {env['dtype']}, "
                 f"{env['gpu'] or str(env['torch_threads']) + ' thread(s), ' + env['cpu']}, "
@@ -1291,6 +1316,9 @@ def add_workload_bench_parser(subparsers: argparse._SubParsersAction) -> argpars
     g.add_argument("--fidelity-every", type=int, default=1, help="fidelity on every Nth request (0: none)")
     g.add_argument("--answer-tokens", type=int, default=32, help="rag: greedy answer cap (EOS stops earlier)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool per engine (default: workload fits)")
+    g.add_argument("--prewarm-passes", type=int, default=WorkloadBenchConfig.prewarm_passes,
+                   help="rag --prewarm: ingest the corpus this many times (later passes in other orders, computed "
+                        "exactly): the engine merges each passage's encodings (ReuseConfig.merge_encodings)")
     g.add_argument("--prewarm", action="store_true",
                    help="rag: ingest every passage once, k to a prompt after a preamble passage (untimed), before "
                         "each policy's replay: the steady state")
@@ -1364,7 +1392,7 @@ def run_workload_bench_cli(args: argparse.Namespace) -> int:
                               dtype=args.dtype, device=args.device, params=params, fidelity_tokens=args.fidelity_tokens,
                               fidelity_past_eos=args.fidelity_past_eos,
                               fidelity_every=args.fidelity_every, answer_tokens=args.answer_tokens,
-                              num_blocks=args.num_blocks, prewarm=args.prewarm, out=args.out,
+                              num_blocks=args.num_blocks, prewarm=args.prewarm, prewarm_passes=args.prewarm_passes, out=args.out,
                               plot_dir=args.plot_dir, progress=not args.no_progress)
     if args.peer is not None:
         return run_peer(cfg, args.peer_python)

@@ -81,7 +81,8 @@ class Request:
     @property
     def approx_prefix_enabled(self) -> bool:
         """Reads and writes the approximate prefix chain (see cache/kv_cache_manager.py)."""
-        return self.reuse is not None and self.reuse.approx_prefix and self.reuse.selector != "all"
+        return (self.reuse is not None and self.reuse.approx_prefix and self.reuse.blend
+                and self.reuse.selector != "all")
 
     @property
     def num_prompt_tokens(self) -> int:

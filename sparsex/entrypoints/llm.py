@@ -20,7 +20,8 @@ class LLM:
 
     cache: "none" (no reuse) | "prefix" (exact prefix caching) | "sparsex" (prefix + segment reuse).
     Segment-reuse knobs: full_layers, recompute_ratio, selector, boundary_tokens, boundary_share, min_segment_tokens,
-    min_context_tokens, min_blend_tokens, rescore_layers, candidate_ratio, approx_prefix.
+    min_context_tokens, min_blend_tokens, rescore_layers, candidate_ratio, approx_prefix, merge_encodings
+    (per call also `blend`: generate(..., reuse={"blend": False}) computes exactly and merges, an ingestion pass).
     warmup: run a few small requests at start-up so the first real one compiles nothing
     (None: on for CUDA, off for the CPU).
     """
@@ -34,14 +35,14 @@ class LLM:
                  boundary_share: float = _R.boundary_share, min_segment_tokens: int = _R.min_segment_tokens,
                  min_context_tokens: int = _R.min_context_tokens, min_blend_tokens: int = _R.min_blend_tokens,
                  rescore_layers: int | None = _R.rescore_layers, candidate_ratio: float = _R.candidate_ratio,
-                 approx_prefix: bool = _R.approx_prefix,
+                 approx_prefix: bool = _R.approx_prefix, merge_encodings: int = _R.merge_encodings,
                  segment_eviction: str = "frequency", cache_dir: str | None = None, warmup: bool | None = None):
         reuse = ReuseConfig(full_layers=full_layers, recompute_ratio=recompute_ratio, selector=selector,
                             boundary_tokens=boundary_tokens, boundary_share=boundary_share,
                             min_segment_tokens=min_segment_tokens,
                             min_context_tokens=min_context_tokens, min_blend_tokens=min_blend_tokens,
                             rescore_layers=rescore_layers, candidate_ratio=candidate_ratio,
-                            approx_prefix=approx_prefix)
+                            approx_prefix=approx_prefix, merge_encodings=merge_encodings)
         self.config = EngineConfig(model=model, dtype=dtype, device=device, cache=cache, seed=seed,
                                    block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
                                    max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,

@@ -58,6 +58,11 @@ class ReuseOptions(_Request):
                                           "of reused tokens the first selection keeps")
     approx_prefix: bool | None = Field(default=None, description="continue a prefix hit with blended KV "
                                        "that earlier requests left (false: blend every reused segment afresh)")
+    merge_encodings: int | None = Field(default=None, ge=1, description="a segment this request computes exactly "
+                                        "is merged into its index entry, which holds the mean of up to this many "
+                                        "encodings (1: keep the first)")
+    blend: bool | None = Field(default=None, description="false: reuse no segment, compute exactly, and index or "
+                               "merge this prompt's segments (a corpus ingestion pass)")
 
     def overrides(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)

@@ -79,6 +79,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-approx-prefix", dest="approx_prefix", action="store_false", default=r["approx_prefix"],
                    help="segment reuse: blend every reused segment afresh instead of continuing an earlier "
                         "request's blended blocks (slower, closer to full prefill)")
+    g.add_argument("--merge-encodings", type=int, default=r["merge_encodings"],
+                   help="segment reuse: a segment computed exactly again in another context is merged into its "
+                        "index entry, the mean of up to this many encodings; 1 = keep the first")
     g.add_argument("--segment-eviction", choices=("lru", "frequency"), default=e["segment_eviction"])
     g.add_argument("--cache-dir", default=e["cache_dir"], help="where converted models are cached (default $SPARSEX_CACHE_DIR)")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=e["warmup"],
@@ -122,7 +125,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         min_segment_tokens=args.min_segment_tokens,
                         min_context_tokens=args.min_context_tokens, min_blend_tokens=args.min_blend_tokens,
                         rescore_layers=args.rescore_layers, candidate_ratio=args.candidate_ratio,
-                        approx_prefix=args.approx_prefix)
+                        approx_prefix=args.approx_prefix, merge_encodings=args.merge_encodings)
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache=args.cache, seed=args.seed,
                         block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
                         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -68,6 +68,28 @@ def copy_and_rerotate_all_layers_torch(
         copy_and_rerotate_torch(k_cache, v_cache, src_slots, dst_slots, delta, inv_freq, rotation)
 
 
+def merge_rerotated_all_layers_torch(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], src_slots: torch.Tensor, dst_slots: torch.Tensor,
+    delta: torch.Tensor, inv_freq: torch.Tensor, weight: float,
+) -> None:
+    """Every layer: dst <- (1 - weight) * dst + weight * src, src's keys re-rotated by `delta` first
+    (in float32). Folds another encoding of a segment into an index entry's running mean
+    (segment/blender.py, "merged encodings"); `src_slots` and `dst_slots` must be disjoint."""
+    cos, sin = _rotation(delta, inv_freq)
+    cos, sin = cos[:, None, :], sin[:, None, :]                           # [n, 1, rot/2]
+    half = inv_freq.numel()
+    for k_cache, v_cache in kv_caches:
+        k_flat = k_cache.view(-1, *k_cache.shape[2:])                     # [slots, kv_heads, D]
+        v_flat = v_cache.view(-1, *v_cache.shape[2:])
+        k = k_flat.index_select(0, src_slots).float()                     # [n, kv_heads, D]
+        x1, x2, rest = k[..., :half], k[..., half:2 * half], k[..., 2 * half:]
+        k = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+        k = torch.lerp(k_flat.index_select(0, dst_slots).float(), k, weight)
+        v = torch.lerp(v_flat.index_select(0, dst_slots).float(), v_flat.index_select(0, src_slots).float(), weight)
+        k_flat.index_copy_(0, dst_slots, k.to(k_cache.dtype))
+        v_flat.index_copy_(0, dst_slots, v.to(v_cache.dtype))
+
+
 if triton is not None:
 
     @triton.jit

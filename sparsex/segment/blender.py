@@ -41,7 +41,8 @@ from sparsex.config import EngineConfig, ReuseConfig
 from sparsex.engine.forward_context import ForwardContext
 from sparsex.engine.request import Request, SegmentSpan
 from sparsex.layers import triton_probe
-from sparsex.layers.triton_rerotate import LayerPointers, copy_and_rerotate_all_layers_torch, copy_and_rerotate_layers
+from sparsex.layers.triton_rerotate import (LayerPointers, copy_and_rerotate_all_layers_torch, copy_and_rerotate_layers,
+                                             merge_rerotated_all_layers_torch)
 from sparsex.segment import selectors
 from sparsex.segment.segment_index import SegmentEntry, SegmentIndex
 
@@ -122,10 +123,14 @@ class Blender:
         self.reused_tokens = 0
         self.selection_seconds = 0.0
         self.copy_seconds = 0.0
+        self.merged_encodings = 0
 
     # ---- scheduling -------------------------------------------------------------------------
     def plan(self, req: Request, num_prefix_hit: int) -> ReusePlan | None:
         reuse = req.reuse
+        if not reuse.blend:
+            self._pending[req.request_id] = (0, [])       # computed exactly; `_register` merges its segments
+            return None
         hits = []
         queried = 0
         toks = req.prompt_token_ids
@@ -428,7 +433,7 @@ class Blender:
         return keep
 
     # ---- bookkeeping ------------------------------------------------------------------------
-    def after_step(self, req: Request, scheduled) -> None:
+    def after_step(self, req: Request, scheduled, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         plan: ReusePlan | None = scheduled.reuse_plan
         if plan is not None:
             b = next((x for x in self._seqs if x.request is req), None)
@@ -441,28 +446,75 @@ class Blender:
             self.release(req)
         if req.num_computed_tokens >= req.num_prompt_tokens and not req.segments_registered:
             req.segments_registered = True
-            self._register(req)
+            self._register(req, kv_caches)
 
-    def _register(self, req: Request) -> None:
-        """Index the request's segments that are not in the index yet (KV already in its blocks)."""
-        min_len = req.reuse.min_segment_tokens
+    def _register(self, req: Request, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Index the request's segments that are not in the index yet (KV already in its blocks),
+        replace early encodings it recomputed with more context, and merge the encodings it
+        computed exactly into the entries that already hold those segments."""
+        reuse = req.reuse
         toks = req.prompt_token_ids
+        exact = req.exact_prefix_len is None          # nothing of it was blended
         for span in req.segments:
-            if span.end - span.start < min_len or span.end > req.num_computed_tokens:
+            if span.end - span.start < reuse.min_segment_tokens or span.end > req.num_computed_tokens:
                 continue
             seg = toks[span.start:span.end]
             entry = self.index.lookup(seg, req.cache_salt, count=False)
-            if entry is not None:
-                if entry.locks or not _too_early_for(entry, span.start, req.reuse):
-                    continue
+            if entry is None:
+                self.index.insert(seg, req.cache_salt, req.blocks, span.start)
+            elif entry.locks:
+                continue
+            elif _too_early_for(entry, span.start, reuse):
                 self.index.remove(entry)      # an early encoding, recomputed here with more context
-            self.index.insert(seg, req.cache_salt, req.blocks, span.start)
+                self.index.insert(seg, req.cache_salt, req.blocks, span.start)
+            elif (exact and span.start >= req.num_cached_tokens and entry.num_encodings < reuse.merge_encodings
+                  and _early(entry.start_pos, reuse) == _early(span.start, reuse)):
+                self._merge(entry, req, span, kv_caches)
+
+    def _merge(self, entry: SegmentEntry, req: Request, span: SegmentSpan,
+               kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Merged encodings: the entry's KV becomes the running mean of its encodings and this one
+        (keys re-rotated to the entry's positions). The entry first gets blocks of its own (copy on
+        write): its blocks are usually also exact prefix-cache blocks, whose KV must stay exact.
+        Skipped, with nothing changed, when the pool has no free blocks for the copy."""
+        bs, n = self.block_size, span.end - span.start
+        first = entry.start_pos // bs
+        rows = np.arange(entry.start_pos, entry.start_pos + n)                  # the entry's positions
+
+        device = kv_caches[0][0].device
+
+        def slots(blocks: list, positions: np.ndarray, block0: int) -> torch.Tensor:
+            ids = np.fromiter((b.block_id for b in blocks), dtype=np.int64, count=len(blocks))
+            host = torch.from_numpy(ids[positions // bs - block0] * bs + positions % bs)
+            # pinned: a pageable upload would wait for the forward this bookkeeping overlaps
+            return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+        def copy(old: list, new: list) -> None:
+            src, dst = slots(old, rows, first), slots(new, rows, first)
+            for cache in (c for layer in kv_caches for c in layer):
+                flat = cache.view(-1, *cache.shape[2:])                         # [slots, kv_heads, D]
+                flat.index_copy_(0, dst, flat.index_select(0, src))
+
+        if not self.index.owns_blocks(entry) and not self.index.copy_on_write(entry, copy):
+            return
+        src = slots(req.blocks, np.arange(span.start, span.end), 0)
+        dst = slots(entry.blocks, rows, first)
+        delta = torch.full_like(src, entry.start_pos - span.start)
+        merge_rerotated_all_layers_torch(kv_caches, src, dst, delta, self.model.rotary.inv_freq,
+                                         1.0 / (entry.num_encodings + 1))
+        entry.num_encodings += 1
+        self.merged_encodings += 1
 
 
 def _too_early_for(entry: SegmentEntry, start: int, reuse: ReuseConfig) -> bool:
     """`entry` was computed with too little before it (`min_context_tokens`) to serve a span that
     starts at `start`, which has more."""
-    return entry.start_pos < reuse.min_context_tokens <= start
+    return _early(entry.start_pos, reuse) and not _early(start, reuse)
+
+
+def _early(start: int, reuse: ReuseConfig) -> bool:
+    """A segment starting at `start` has only the prompt's start before it (`min_context_tokens`)."""
+    return start < reuse.min_context_tokens
 
 
 def selection_layer(reuse: ReuseConfig) -> int:

@@ -17,7 +17,8 @@ satisfy an allocation. Policies:
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from sparsex.cache.block_hash import hash_segment, token_bytes
 from sparsex.cache.block_pool import BlockPool, KVCacheBlock
@@ -35,6 +36,7 @@ class SegmentEntry:
     last_access: int = 0
     priority: float = 0.0
     locks: int = 0                  # requests about to copy from it (not evictable meanwhile)
+    num_encodings: int = 1          # its KV is the mean of this many encodings (merged encodings)
 
     def __len__(self) -> int:
         return len(self.tokens) // 4
@@ -108,6 +110,27 @@ class SegmentIndex:
             raise RuntimeError("remove of a locked segment entry")
         self._remove(entry)
 
+    def owns_blocks(self, entry: SegmentEntry) -> bool:
+        """Whether the entry's blocks are its alone: no other holder, no prefix-cache hash (so their
+        KV may change in place without touching an exact prefix hit or another entry)."""
+        return all(b.ref_cnt == 1 and b.block_hash is None for b in entry.blocks)
+
+    def copy_on_write(self, entry: SegmentEntry, copy: Callable[[list[KVCacheBlock], list[KVCacheBlock]], None]) -> bool:
+        """Give `entry` blocks of its own before its KV is changed in place: allocate as many as it
+        pins (never evicting for it: False, and nothing changed, when the free queue is short), let
+        `copy(old, new)` move the KV, then unpin the old blocks, which stay where they were for
+        their other holders (the prefix cache, requests, entries)."""
+        if entry.locks:
+            raise RuntimeError("copy-on-write of a locked segment entry")
+        n = len(entry.blocks)
+        if self.pool.num_free_blocks < n:
+            return False
+        old, new = entry.blocks, self.pool.get_new_blocks(n)
+        copy(old, new)
+        entry.blocks = new
+        self.pool.free_blocks(list(reversed(old)))
+        return True
+
     def lock(self, entry: SegmentEntry) -> None:
         entry.locks += 1
 
@@ -167,6 +190,10 @@ class SegmentIndex:
                 raise RuntimeError("segment entry stored under a key that is not its hash")
             if e.locks < 0:
                 raise RuntimeError("segment entry with negative lock count")
+            if e.num_encodings < 1:
+                raise RuntimeError(f"segment entry with {e.num_encodings} encodings")
+            if e.num_encodings > 1 and not self.owns_blocks(e):
+                raise RuntimeError("a merged segment entry shares its blocks (its mean would leak into their other holders)")
             for b in e.blocks:
                 if b.ref_cnt < 1:
                     raise RuntimeError(f"segment entry pins block {b.block_id} whose ref_cnt is {b.ref_cnt}")
