@@ -227,6 +227,12 @@ def test_next_turn_continues_blended_blocks_on_the_approximate_chain(llm_sx, llm
     # ... and then follows the chain it wrote itself (keyed, not switched off)
     out_again, _ = run_to_completion(eng, t2, ONE)
     assert eng.stats().approx_prefix_hits == hits1 + (n2 // 16) * 16 and out_again.num_recomputed_tokens == 0
+    # an ingestion pass (blend=False) neither continues the chain nor blends: plain prefill, exactly
+    hits2 = eng.stats().approx_prefix_hits
+    out_exact, _ = run_to_completion(eng, t2, ONE, reuse={"blend": False})
+    assert out_exact.num_reused_tokens == 0 and eng.stats().approx_prefix_hits == hits2
+    got = _logits_at_end(eng, t2, reuse={"blend": False}, k=1)    # its earlier positions are prefix hits now
+    assert (got - want[-1:]).norm() / want[-1:].norm() < 1e-4
     eng.check_integrity()
     # another tenant never continues this tenant's chain
     salted = pieces_prompt(eng, turn2, [True] * 4 + [False] * 3)
