@@ -755,10 +755,9 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
             twin = engines.take(cache, "twin", num_blocks)[0] if any(fid) else None
             for engine in (timed, twin) if cfg.prewarm else ():
                 if engine is not None:
-                    before = engine.runner.blender.merged_encodings if engine.runner.blender is not None else 0
-                    _prewarm(engine, w)
-                    if engine.runner.blender is not None:
-                        merged = engine.runner.blender.merged_encodings - before
+                    _prewarm(engine, w)          # into a freshly reset engine: every merge is in its index
+                    if engine.segment_index is not None:
+                        merged = sum(e.num_encodings - 1 for e in engine.segment_index.entries.values())
             records += replay_policy(cfg, policy, timed, plans, twin, requests, prompts, refs, fid, flops)
             del timed, plans, twin
         if own:

@@ -35,6 +35,15 @@ def _rotation(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor
     return angle.cos().float(), angle.sin().float()
 
 
+def _rerotated(k: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """float32 keys [n, kv_heads, D] rotated by `rotation` (`_rotation`'s cos/sin, [n, rot/2]);
+    dims past rot (partial rotary) unrotated."""
+    cos, sin = rotation[0][:, None, :], rotation[1][:, None, :]           # [n, 1, rot/2]
+    half = cos.shape[-1]
+    x1, x2, rest = k[..., :half], k[..., half:2 * half], k[..., 2 * half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+
+
 def copy_and_rerotate_torch(
     k_cache: torch.Tensor,          # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
@@ -46,13 +55,9 @@ def copy_and_rerotate_torch(
 ) -> None:
     k_flat = k_cache.view(-1, *k_cache.shape[2:])                         # [slots, kv_heads, D]
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    half = inv_freq.numel()
     if rotation is None:
         rotation = _rotation(delta.to(k_cache.device), inv_freq.to(k_cache.device))
-    cos, sin = rotation[0][:, None, :], rotation[1][:, None, :]           # [n, 1, rot/2]
-    k = k_flat.index_select(0, src_slots).float()                         # [n, kv_heads, D]
-    x1, x2, rest = k[..., :half], k[..., half:2 * half], k[..., 2 * half:]
-    k = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+    k = _rerotated(k_flat.index_select(0, src_slots).float(), rotation)   # [n, kv_heads, D]
     v = v_flat.index_select(0, src_slots)                                 # gathered before any write
     k_flat.index_copy_(0, dst_slots, k.to(k_cache.dtype))
     v_flat.index_copy_(0, dst_slots, v)
@@ -69,23 +74,21 @@ def copy_and_rerotate_all_layers_torch(
 
 
 def merge_rerotated_all_layers_torch(
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], src_slots: torch.Tensor, dst_slots: torch.Tensor,
-    delta: torch.Tensor, inv_freq: torch.Tensor, weight: float,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], src_slots: torch.Tensor, mean_slots: torch.Tensor,
+    dst_slots: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, weight: float,
 ) -> None:
-    """Every layer: dst <- (1 - weight) * dst + weight * src, src's keys re-rotated by `delta` first
+    """Every layer: dst <- (1 - weight) * mean + weight * src, src's keys re-rotated by `delta` first
     (in float32). Folds another encoding of a segment into an index entry's running mean
-    (segment/blender.py, "merged encodings"); `src_slots` and `dst_slots` must be disjoint."""
-    cos, sin = _rotation(delta, inv_freq)
-    cos, sin = cos[:, None, :], sin[:, None, :]                           # [n, 1, rot/2]
-    half = inv_freq.numel()
+    (segment/blender.py, "merged encodings"): `mean_slots` hold the mean now, `dst_slots` get the new
+    one (the same slots, or an entry's fresh blocks on copy-on-write: one pass, no separate copy);
+    `src_slots` must not overlap `dst_slots`."""
+    rotation = _rotation(delta, inv_freq)
     for k_cache, v_cache in kv_caches:
         k_flat = k_cache.view(-1, *k_cache.shape[2:])                     # [slots, kv_heads, D]
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
-        k = k_flat.index_select(0, src_slots).float()                     # [n, kv_heads, D]
-        x1, x2, rest = k[..., :half], k[..., half:2 * half], k[..., 2 * half:]
-        k = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
-        k = torch.lerp(k_flat.index_select(0, dst_slots).float(), k, weight)
-        v = torch.lerp(v_flat.index_select(0, dst_slots).float(), v_flat.index_select(0, src_slots).float(), weight)
+        k = _rerotated(k_flat.index_select(0, src_slots).float(), rotation)   # [n, kv_heads, D]
+        k = torch.lerp(k_flat.index_select(0, mean_slots).float(), k, weight)
+        v = torch.lerp(v_flat.index_select(0, mean_slots).float(), v_flat.index_select(0, src_slots).float(), weight)
         k_flat.index_copy_(0, dst_slots, k.to(k_cache.dtype))
         v_flat.index_copy_(0, dst_slots, v.to(v_cache.dtype))
 

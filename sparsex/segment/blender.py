@@ -123,7 +123,6 @@ class Blender:
         self.reused_tokens = 0
         self.selection_seconds = 0.0
         self.copy_seconds = 0.0
-        self.merged_encodings = 0
 
     # ---- scheduling -------------------------------------------------------------------------
     def plan(self, req: Request, num_prefix_hit: int) -> ReusePlan | None:
@@ -474,13 +473,13 @@ class Blender:
     def _merge(self, entry: SegmentEntry, req: Request, span: SegmentSpan,
                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Merged encodings: the entry's KV becomes the running mean of its encodings and this one
-        (keys re-rotated to the entry's positions). The entry first gets blocks of its own (copy on
-        write): its blocks are usually also exact prefix-cache blocks, whose KV must stay exact.
-        Skipped, with nothing changed, when the pool has no free blocks for the copy."""
-        bs, n = self.block_size, span.end - span.start
+        (keys re-rotated to the entry's positions). An entry that shares its blocks (usually also
+        exact prefix-cache blocks, whose KV must stay exact) gets blocks of its own, the new mean
+        written straight into them (copy on write); skipped, with nothing changed, when the pool has
+        no free blocks for them."""
+        bs = self.block_size
         first = entry.start_pos // bs
-        rows = np.arange(entry.start_pos, entry.start_pos + n)                  # the entry's positions
-
+        rows = np.arange(entry.start_pos, entry.start_pos + span.end - span.start)   # the entry's positions
         device = kv_caches[0][0].device
 
         def slots(blocks: list, positions: np.ndarray, block0: int) -> torch.Tensor:
@@ -489,21 +488,19 @@ class Blender:
             # pinned: a pageable upload would wait for the forward this bookkeeping overlaps
             return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
-        def copy(old: list, new: list) -> None:
-            src, dst = slots(old, rows, first), slots(new, rows, first)
-            for cache in (c for layer in kv_caches for c in layer):
-                flat = cache.view(-1, *cache.shape[2:])                         # [slots, kv_heads, D]
-                flat.index_copy_(0, dst, flat.index_select(0, src))
-
-        if not self.index.owns_blocks(entry) and not self.index.copy_on_write(entry, copy):
-            return
         src = slots(req.blocks, np.arange(span.start, span.end), 0)
-        dst = slots(entry.blocks, rows, first)
-        delta = torch.full_like(src, entry.start_pos - span.start)
-        merge_rerotated_all_layers_torch(kv_caches, src, dst, delta, self.model.rotary.inv_freq,
-                                         1.0 / (entry.num_encodings + 1))
+        mean = slots(entry.blocks, rows, first)
+
+        def fold(dst_blocks: list) -> None:
+            merge_rerotated_all_layers_torch(kv_caches, src, mean, slots(dst_blocks, rows, first),
+                                             torch.full_like(src, entry.start_pos - span.start),
+                                             self.model.rotary.inv_freq, 1.0 / (entry.num_encodings + 1))
+
+        if self.index.owns_blocks(entry):
+            fold(entry.blocks)
+        elif not self.index.copy_on_write(entry, lambda old, new: fold(new)):
+            return
         entry.num_encodings += 1
-        self.merged_encodings += 1
 
 
 def _too_early_for(entry: SegmentEntry, start: int, reuse: ReuseConfig) -> bool:

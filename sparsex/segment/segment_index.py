@@ -115,18 +115,19 @@ class SegmentIndex:
         KV may change in place without touching an exact prefix hit or another entry)."""
         return all(b.ref_cnt == 1 and b.block_hash is None for b in entry.blocks)
 
-    def copy_on_write(self, entry: SegmentEntry, copy: Callable[[list[KVCacheBlock], list[KVCacheBlock]], None]) -> bool:
-        """Give `entry` blocks of its own before its KV is changed in place: allocate as many as it
-        pins (never evicting for it: False, and nothing changed, when the free queue is short), let
-        `copy(old, new)` move the KV, then unpin the old blocks, which stay where they were for
-        their other holders (the prefix cache, requests, entries)."""
+    def copy_on_write(self, entry: SegmentEntry, write: Callable[[list[KVCacheBlock], list[KVCacheBlock]], None]) -> bool:
+        """Give `entry` blocks of its own before its KV changes: allocate as many as it pins (never
+        evicting for it: False, and nothing changed, when the free queue is short), let
+        `write(old, new)` fill the new blocks (the old ones are still readable then), then unpin the
+        old blocks, which stay where they were for their other holders (the prefix cache, requests,
+        entries)."""
         if entry.locks:
             raise RuntimeError("copy-on-write of a locked segment entry")
         n = len(entry.blocks)
         if self.pool.num_free_blocks < n:
             return False
         old, new = entry.blocks, self.pool.get_new_blocks(n)
-        copy(old, new)
+        write(old, new)
         entry.blocks = new
         self.pool.free_blocks(list(reversed(old)))
         return True
