@@ -2,6 +2,8 @@
 and the paired comparison the summary prints against the engine default."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -94,6 +96,36 @@ def test_summary_compares_every_policy_to_the_default_on_the_same_requests() -> 
     table = wb.fidelity_markdown(summaries)
     assert "| cacheblend | 5 |" in table and "+0.0040 [+0.0040, +0.0040]" in table
     assert "| naive |" not in table
+
+
+def test_answer_f1_is_compared_to_full_prefill_on_the_same_requests() -> None:
+    """rag's free-running answers: each policy's token F1 minus full prefill's, paired per request;
+    without `none` (or without reference answers) the column is absent."""
+    f1_none = [0.4, 0.1, 0.3, 0.25]
+    recs = [dataclasses.replace(_record("none", i, 0.0, 1.0), f1=f, em=0.0) for i, f in enumerate(f1_none)]
+    recs += [dataclasses.replace(_record("sparsex", i, 0.01, 0.9), f1=f - 0.05, em=0.0) for i, f in enumerate(f1_none)]
+    recs += [dataclasses.replace(_record("cacheblend", i, 0.02, 0.9), f1=f + (0.1 if i == 0 else 0.0), em=0.0)
+             for i, f in enumerate(f1_none)]
+    fm = wb.FlopModel(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
+                      vocab=49152)
+    policies = parse_policies("none,sparsex,cacheblend")
+    summaries = [wb.summarize("rag", p, [r for r in recs if r.policy == p.name], fm) for p in policies]
+    wb.compare_to_default(summaries, recs)
+    by = {s.policy: s for s in summaries}
+    assert by["none"].f1_minus_none is None
+    assert by["sparsex"].f1_minus_none == pytest.approx(-0.05)
+    assert by["sparsex"].f1_minus_none_low == pytest.approx(-0.05) == by["sparsex"].f1_minus_none_high
+    assert by["cacheblend"].f1_minus_none == pytest.approx(0.025)
+    assert by["cacheblend"].f1_minus_none_low == pytest.approx(0.0)     # 3 of 4 differences are 0
+    assert 0.025 < by["cacheblend"].f1_minus_none_high <= 0.1
+    table = wb.fidelity_markdown(summaries)
+    assert "answer F1 − none, paired [95% CI]" in table and "-0.050 [-0.050, -0.050]" in table
+    no_ref = [s for s in summaries if s.policy != "none"]
+    for s in no_ref:
+        s.f1_minus_none = None
+    assert "answer F1" not in wb.fidelity_markdown(no_ref)
+    wb.compare_to_default(no_ref, [r for r in recs if r.policy != "none"])
+    assert all(s.f1_minus_none is None for s in no_ref)
 
 
 def _lp(probs: list[float]):

@@ -257,6 +257,11 @@ class PolicySummary:
     kl_minus_sparsex: float | None = None
     kl_minus_sparsex_low: float | None = None
     kl_minus_sparsex_high: float | None = None
+    # paired over the same requests: this policy's answer token F1 minus full prefill's (`none`),
+    # when both ran and the workload has reference answers (rag)
+    f1_minus_none: float | None = None
+    f1_minus_none_low: float | None = None
+    f1_minus_none_high: float | None = None
     # top-1 disagreements over the fidelity requests, and how many were near-ties under full prefill
     # (its top two tokens within NEAR_TIE of each other in probability)
     top1_misses: int | None = None
@@ -859,11 +864,22 @@ def _top1_misses(fr: list[RequestRecord]) -> dict:
 
 def compare_to_default(summaries: list[PolicySummary], records: list[RequestRecord]) -> None:
     """Fill every summary's paired KL difference against `sparsex` (the engine default), over the
-    fidelity requests both measured."""
-    kl = {}
+    fidelity requests both measured, and its paired answer-F1 difference against `none` (full
+    prefill): teacher forcing counts a flipped near-tie once, a free-running answer goes on from it."""
+    kl, f1 = {}, {}
     for r in records:
         if r.fidelity and r.kl is not None:
             kl.setdefault(r.policy, {})[r.index] = (r.kl, _positions([r])[0])
+        if r.f1 is not None:
+            f1.setdefault(r.policy, {})[r.index] = r.f1
+    base = f1.get("none")
+    for s in summaries if base else ():
+        mine = f1.get(s.policy, {})
+        common = sorted(set(mine) & set(base))
+        if s.policy == "none" or len(common) < 2:
+            continue
+        d = stats.paired_difference([mine[i] for i in common], [base[i] for i in common])
+        s.f1_minus_none, s.f1_minus_none_low, s.f1_minus_none_high = d.mean, d.low, d.high
     ref = kl.get("sparsex")
     if not ref:
         return
@@ -918,15 +934,21 @@ def fidelity_markdown(summaries: list[PolicySummary]) -> str:
     rows = [s for s in summaries if s.top1_low is not None]
     if not rows:
         return ""
+    answers = any(s.f1_minus_none is not None for s in rows)
     lines = ["| policy | requests | top-1 [95% CI] | KL [95% CI] | KL − sparsex, paired [95% CI] | "
-             f"top-1 misses (near-ties: full prefill's top two within {NEAR_TIE:g}) |",
-             "|---|---|---|---|---|---|"]
+             f"top-1 misses (near-ties: full prefill's top two within {NEAR_TIE:g}) |"
+             + (" answer F1 − none, paired [95% CI] |" if answers else ""),
+             "|---|---|---|---|---|---|" + ("---|" if answers else "")]
     for s in rows:
         diff = "—" if s.kl_minus_sparsex is None else (
             f"{s.kl_minus_sparsex:+.4f} [{s.kl_minus_sparsex_low:+.4f}, {s.kl_minus_sparsex_high:+.4f}]")
         misses = "—" if s.top1_misses is None else f"{s.top1_misses} ({s.near_tie_misses})"
-        lines.append(f"| {s.policy} | {s.fidelity_requests} | {s.top1:.1%} [{s.top1_low:.1%}, {s.top1_high:.1%}] | "
-                     f"{_fmt(s.kl, '.4f')} [{_fmt(s.kl_low, '.4f')}, {_fmt(s.kl_high, '.4f')}] | {diff} | {misses} |")
+        line = (f"| {s.policy} | {s.fidelity_requests} | {s.top1:.1%} [{s.top1_low:.1%}, {s.top1_high:.1%}] | "
+                f"{_fmt(s.kl, '.4f')} [{_fmt(s.kl_low, '.4f')}, {_fmt(s.kl_high, '.4f')}] | {diff} | {misses} |")
+        if answers:
+            line += " — |" if s.f1_minus_none is None else (
+                f" {s.f1_minus_none:+.3f} [{s.f1_minus_none_low:+.3f}, {s.f1_minus_none_high:+.3f}] |")
+        lines.append(line)
     return "\n".join(lines) + "\n"
 
 
