@@ -77,8 +77,8 @@ class ReuseConfig:
     # merged encodings: when a request computes exactly (no blend) a segment the index already holds,
     # the entry becomes the mean of up to this many encodings (keys re-rotated to one position). A
     # mean over contexts is nearer any new context than one encoding: on rag, deep-layer K/V deviation
-    # falls by a third with two, and the default's KL by 45% (docs/benchmarks.md, "nineteenth
-    # session"). 1 = keep the first encoding.
+    # falls by a third with two, and with three the default's KL by 32% (docs/benchmarks.md,
+    # "nineteenth session"). 1 = keep the first encoding.
     merge_encodings: int = 4
     # False: this request reuses no segment (computed exactly; exact prefix caching still applies) but
     # indexes its segments, or merges them into the entries: what a corpus ingestion pass sends

@@ -864,33 +864,31 @@ def _top1_misses(fr: list[RequestRecord]) -> dict:
 
 def compare_to_default(summaries: list[PolicySummary], records: list[RequestRecord]) -> None:
     """Fill every summary's paired KL difference against `sparsex` (the engine default), over the
-    fidelity requests both measured, and its paired answer-F1 difference against `none` (full
-    prefill): teacher forcing counts a flipped near-tie once, a free-running answer goes on from it."""
+    fidelity requests both measured (weighted by scored positions), and its paired answer-F1
+    difference against `none` (full prefill): teacher forcing counts a flipped near-tie once, a
+    free-running answer goes on from it."""
     kl, f1 = {}, {}
     for r in records:
         if r.fidelity and r.kl is not None:
             kl.setdefault(r.policy, {})[r.index] = (r.kl, _positions([r])[0])
         if r.f1 is not None:
-            f1.setdefault(r.policy, {})[r.index] = r.f1
-    base = f1.get("none")
-    for s in summaries if base else ():
-        mine = f1.get(s.policy, {})
-        common = sorted(set(mine) & set(base))
-        if s.policy == "none" or len(common) < 2:
-            continue
-        d = stats.paired_difference([mine[i] for i in common], [base[i] for i in common])
-        s.f1_minus_none, s.f1_minus_none_low, s.f1_minus_none_high = d.mean, d.low, d.high
-    ref = kl.get("sparsex")
-    if not ref:
-        return
+            f1.setdefault(r.policy, {})[r.index] = (r.f1, 1)
     for s in summaries:
-        mine = kl.get(s.policy, {})
-        common = sorted(set(mine) & set(ref))
-        if s.policy == "sparsex" or len(common) < 2:
-            continue
-        d = stats.paired_difference([mine[i][0] for i in common], [ref[i][0] for i in common],
-                                    weights=[ref[i][1] for i in common])
-        s.kl_minus_sparsex, s.kl_minus_sparsex_low, s.kl_minus_sparsex_high = d.mean, d.low, d.high
+        if (d := _paired(kl, s.policy, "sparsex")) is not None:
+            s.kl_minus_sparsex, s.kl_minus_sparsex_low, s.kl_minus_sparsex_high = d.mean, d.low, d.high
+        if (d := _paired(f1, s.policy, "none")) is not None:
+            s.f1_minus_none, s.f1_minus_none_low, s.f1_minus_none_high = d.mean, d.low, d.high
+
+
+def _paired(by_policy: dict[str, dict[int, tuple[float, float]]], policy: str, base: str) -> stats.Interval | None:
+    """`policy`'s (value, weight) per request minus `base`'s, paired over the requests both have
+    (base's weights); None for the base itself or below two common requests."""
+    mine, ref = by_policy.get(policy, {}), by_policy.get(base, {})
+    common = sorted(set(mine) & set(ref))
+    if policy == base or len(common) < 2:
+        return None
+    return stats.paired_difference([mine[i][0] for i in common], [ref[i][0] for i in common],
+                                   weights=[ref[i][1] for i in common])
 
 
 def _fmt(v: Any, spec: str, scale: float = 1.0) -> str:

@@ -209,7 +209,7 @@ class LLMEngine:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
             if self.runner.blender is not None:
-                self.runner.blender.after_step(req, s, self.runner.kv_caches)
+                self.runner.blender.after_step(req, s, self.runner)
             self.kv.cache_blocks(req, self._exact_len(req))
             self.kv.cache_approx_blocks(req)
 

@@ -432,7 +432,7 @@ class Blender:
         return keep
 
     # ---- bookkeeping ------------------------------------------------------------------------
-    def after_step(self, req: Request, scheduled, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def after_step(self, req: Request, scheduled, runner) -> None:
         plan: ReusePlan | None = scheduled.reuse_plan
         if plan is not None:
             b = next((x for x in self._seqs if x.request is req), None)
@@ -445,9 +445,9 @@ class Blender:
             self.release(req)
         if req.num_computed_tokens >= req.num_prompt_tokens and not req.segments_registered:
             req.segments_registered = True
-            self._register(req, kv_caches)
+            self._register(req, runner)
 
-    def _register(self, req: Request, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _register(self, req: Request, runner) -> None:
         """Index the request's segments that are not in the index yet (KV already in its blocks),
         replace early encodings it recomputed with more context, and merge the encodings it
         computed exactly into the entries that already hold those segments."""
@@ -468,10 +468,9 @@ class Blender:
                 self.index.insert(seg, req.cache_salt, req.blocks, span.start)
             elif (exact and span.start >= req.num_cached_tokens and entry.num_encodings < reuse.merge_encodings
                   and _early(entry.start_pos, reuse) == _early(span.start, reuse)):
-                self._merge(entry, req, span, kv_caches)
+                self._merge(entry, req, span, runner)
 
-    def _merge(self, entry: SegmentEntry, req: Request, span: SegmentSpan,
-               kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _merge(self, entry: SegmentEntry, req: Request, span: SegmentSpan, runner) -> None:
         """Merged encodings: the entry's KV becomes the running mean of its encodings and this one
         (keys re-rotated to the entry's positions). An entry that shares its blocks (usually also
         exact prefix-cache blocks, whose KV must stay exact) gets blocks of its own, the new mean
@@ -480,20 +479,19 @@ class Blender:
         bs = self.block_size
         first = entry.start_pos // bs
         rows = np.arange(entry.start_pos, entry.start_pos + span.end - span.start)   # the entry's positions
-        device = kv_caches[0][0].device
 
-        def slots(blocks: list, positions: np.ndarray, block0: int) -> torch.Tensor:
+        def slots(blocks: list, positions: np.ndarray, block0: int) -> np.ndarray:
             ids = np.fromiter((b.block_id for b in blocks), dtype=np.int64, count=len(blocks))
-            host = torch.from_numpy(ids[positions // bs - block0] * bs + positions % bs)
-            # pinned: a pageable upload would wait for the forward this bookkeeping overlaps
-            return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+            return ids[positions // bs - block0] * bs + positions % bs
 
         src = slots(req.blocks, np.arange(span.start, span.end), 0)
-        mean = slots(entry.blocks, rows, first)
+        mean = slots(entry.blocks, rows, first)          # read before copy-on-write replaces the blocks
 
         def fold(dst_blocks: list) -> None:
-            merge_rerotated_all_layers_torch(kv_caches, src, mean, slots(dst_blocks, rows, first),
-                                             torch.full_like(src, entry.start_pos - span.start),
+            # one pinned upload, as the step's inputs: a pageable one would wait for the forward
+            src_t, mean_t, dst_t, delta_t = runner.uploader.upload(
+                [src, mean, slots(dst_blocks, rows, first), np.full_like(src, entry.start_pos - span.start)])
+            merge_rerotated_all_layers_torch(runner.kv_caches, src_t, mean_t, dst_t, delta_t,
                                              self.model.rotary.inv_freq, 1.0 / (entry.num_encodings + 1))
 
         if self.index.owns_blocks(entry):
