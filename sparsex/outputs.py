@@ -34,6 +34,20 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class ReusedSpan:
+    """A prompt span whose KV came from the cache instead of a fresh prefill: prompt positions
+    [start, end), and where it came from: "segment" (an entry of the segment index, re-rotated to
+    this position) or "approx_prefix" (blocks an earlier blended request left, continued as they are)."""
+    start: int
+    end: int
+    source: str
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -48,3 +62,7 @@ class RequestOutput:
     num_recomputed_tokens: int = 0    # reused tokens that were recomputed
     num_candidate_tokens: int = 0     # two-stage selection: reused tokens computed up to the re-scoring
                                       # layer (>= num_recomputed_tokens); with one stage, equal to it
+    reused_spans: list[ReusedSpan] = field(default_factory=list)   # where num_reused_tokens sit in the prompt
+    # why indexed segments were found but not reused (e.g. "hits below min_blend_tokens (200 < 256)");
+    # None when everything found was reused, or nothing was found
+    reuse_skipped: str | None = None
