@@ -183,7 +183,8 @@ def _print_generation(out, llm) -> None:
     print()
     print("--- stats ---")
     rows = [
-        ("model", f"{llm.llm_engine.model_name} ({llm.config.dtype}, cache={llm.config.cache}, "
+        ("model", f"{llm.llm_engine.model_name} ({str(llm.config.torch_dtype).removeprefix('torch.')}, "
+                  f"cache={llm.config.cache}, "
                   f"threads={torch.get_num_threads()})"),
         ("prompt tokens", str(len(out.prompt_token_ids))),
         ("generated tokens", f"{n} (finish: {comp.finish_reason})"),
