@@ -1,32 +1,30 @@
 """The `sparsex` command line.
 
-    sparsex generate PROMPT [--model M] [--max-tokens N] [--temperature T] [--cache C] [--dtype D] [--chat]
-    sparsex demo [--model M] [--cache C] [--quick] [--no-compare]
+    sparsex generate PROMPT [--model M] [--max-tokens N] [--temperature T] [--chat] [every engine flag]
+    sparsex demo [--model M] [--cache C] [--dtype D] [--quick] [--no-compare]
     sparsex bench throughput [--num-prompts N] [--input-len N] [--output-len N] [--repeats N] [--dtype D]
     sparsex bench prefill [--lengths 512,1024,...] [--repeats N] [--plot PATH]
-    sparsex bench serve ...      (when sparsex.bench.serve_bench is installed)
+    sparsex bench serve --base-url URL ...
     sparsex bench workload --workload rag|chat|agent [--policies ...] [--sweep | --stream] [--peer vllm] --out DIR
-    sparsex serve ...            (when sparsex.entrypoints.serve_cli is installed)
+    sparsex serve [MODEL] [every engine flag] [server flags]
 
-Every subcommand takes --threads N (torch intra-op threads). Bad arguments and engine ValueErrors
-exit with status 2 and a one-line message, never a traceback.
-
-Hooks for subcommands that live in other modules: `add_serve_parser(subparsers)` and
-`add_serve_bench_parser(subparsers)` add their parser to the given subparsers action. The handler is
-the parser's `func` default if they set one, else `run_serve` / `run_serve_bench` of the same
-module; it takes the parsed `argparse.Namespace` and returns an exit status (None means 0).
+Engine flags (`--cache`, `--dtype`, `--recompute-ratio`, ...) come from EngineConfig / ReuseConfig
+(serve_cli.add_engine_args), so `generate`, `serve` and `LLM(...)` share their names and defaults:
+docs/configuration.md. Every subcommand takes --threads N (torch intra-op threads). Bad arguments
+and engine ValueErrors exit with status 2 and a one-line message, never a traceback.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
-from typing import Callable, Sequence
+from typing import Sequence
 
-from sparsex.config import CACHE_MODES
+from sparsex.bench.serve_bench import add_serve_bench_parser
+from sparsex.bench.workload_bench import add_workload_bench_parser
+from sparsex.config import CACHE_MODES, DTYPES, EngineConfig
+from sparsex.entrypoints.serve_cli import add_engine_args, add_serve_parser, engine_knobs
 
-DEFAULT_MODEL = "smollm2-135m-instruct"    # = sparsex.models.loader.DEFAULT_MODEL, without importing torch
-DTYPES = ("auto", "bfloat16", "float32", "float16")
+DEFAULT_MODEL = EngineConfig.model
 EXIT_USAGE = 2
 
 
@@ -80,12 +78,9 @@ def _add_generate(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache", choices=CACHE_MODES, default="prefix")
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="auto (default): bfloat16 where the CPU runs it natively, else float32")
     p.add_argument("--chat", action="store_true", help="wrap PROMPT as a user message in the chat template")
     p.add_argument("--system", default=None, help="with --chat: a system message")
+    add_engine_args(p)          # --seed among them: the engine's and the sampling seed
     p.set_defaults(func=_run_generate)
 
 
@@ -93,9 +88,9 @@ def _add_demo(sub, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("demo", parents=[common], help="RAG + chat workload with segment reuse, vs no cache",
                        description="Run a small interleaved RAG + chat workload with KV reuse, print each "
                                    "answer with its TTFT and cache counters, then compare with cache=none.")
-    p.add_argument("--cache", choices=CACHE_MODES, default="sparsex")
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="auto (default): bfloat16 where the CPU runs it natively, else float32")
+    p.add_argument("--cache", choices=CACHE_MODES, default=EngineConfig.cache)
+    p.add_argument("--dtype", choices=DTYPES, default=EngineConfig.dtype,
+                   help="auto (default): bfloat16 where it runs natively, else float32")
     p.add_argument("--max-tokens", type=positive_int, default=24)
     p.add_argument("--quick", action="store_true", help="3 short requests (a smoke test)")
     p.add_argument("--no-compare", action="store_true", help="skip the cache=none rerun")
@@ -135,48 +130,8 @@ def _add_bench(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default="docs/img/prefill_cpu.png", help="PNG path ('' for none)")
     p.set_defaults(func=_run_bench_prefill)
 
-    _add_hooked(bsub, "sparsex.bench.serve_bench", "add_serve_bench_parser", "run_serve_bench", "serve")
-    _add_hooked(bsub, "sparsex.bench.workload_bench", "add_workload_bench_parser", "run_workload_bench_cli", "workload")
-
-
-def _add_hooked(sub, module: str, adder: str, runner: str, command: str) -> None:
-    """Register a subcommand another module provides, if that module is there.
-
-    Absent module: no subcommand. A module that exists but fails to import (say, a missing optional
-    dependency) gets a stub subcommand that reports why, instead of breaking every other command."""
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name == module:
-            return
-        _add_unavailable(sub, command, module, e)
-        return
-    except ImportError as e:
-        _add_unavailable(sub, command, module, e)
-        return
-    getattr(mod, adder)(sub)
-    parser = sub.choices.get(command)
-    if parser is not None and parser.get_default("func") is None:
-        run = getattr(mod, runner, None)
-        parser.set_defaults(func=run if run is not None else _missing_runner(module, runner))
-
-
-def _add_unavailable(sub, command: str, module: str, error: Exception) -> None:
-    # No option prefix: whatever options the real subcommand would take land in `rest` unparsed,
-    # so the user sees why the command is unavailable rather than an argument error.
-    p = sub.add_parser(command, help=f"(unavailable: {error})", add_help=False, prefix_chars="\x00")
-    p.add_argument("rest", nargs="*")
-
-    def fail(_args: argparse.Namespace) -> int:
-        raise ValueError(f"'{command}' is unavailable: importing {module} failed: {error}")
-
-    p.set_defaults(func=fail)
-
-
-def _missing_runner(module: str, runner: str) -> Callable[[argparse.Namespace], int]:
-    def fail(_args: argparse.Namespace) -> int:
-        raise ValueError(f"{module} registered a subcommand without a handler and has no {runner}()")
-    return fail
+    add_serve_bench_parser(bsub)
+    add_workload_bench_parser(bsub)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub, common)
     _add_demo(sub, common)
     _add_bench(sub, common)
-    _add_hooked(sub, "sparsex.entrypoints.serve_cli", "add_serve_parser", "run_serve", "serve")
+    add_serve_parser(sub)
     return parser
 
 
@@ -202,7 +157,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     resolve_model_name(args.model)         # an unknown model fails before any loading
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed)
-    llm = LLM(model=args.model, dtype=args.dtype, cache=args.cache, seed=args.seed)
+    llm = LLM(**engine_knobs(args))
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})
@@ -228,7 +183,8 @@ def _print_generation(out, llm) -> None:
     print()
     print("--- stats ---")
     rows = [
-        ("model", f"{llm.llm_engine.model_name} ({llm.config.dtype}, cache={llm.config.cache}, "
+        ("model", f"{llm.llm_engine.model_name} ({str(llm.config.torch_dtype).removeprefix('torch.')}, "
+                  f"cache={llm.config.cache}, "
                   f"threads={torch.get_num_threads()})"),
         ("prompt tokens", str(len(out.prompt_token_ids))),
         ("generated tokens", f"{n} (finish: {comp.finish_reason})"),
@@ -303,7 +259,7 @@ def _run_bench_prefill(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)          # usage errors: argparse prints them and exits 2
-    threads = getattr(args, "threads", None)       # hooked subcommands may not define --threads
+    threads = getattr(args, "threads", None)       # `serve` has --torch-threads instead
     if threads is not None:
         import torch
         torch.set_num_threads(threads)

@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import types
+import typing
 from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -10,6 +14,9 @@ CACHE_MODES = ("none", "prefix", "sparsex")
 SELECTORS = ("sparse_q", "kv_deviation", "boundary", "random", "none", "all")
 PROBE_SELECTORS = ("kv_deviation", "sparse_q")     # score tokens with a probe on a full layer
 AUTO_RESCORE_LAYERS = 2     # sparse_q's second probe, this many layers below its first (ReuseConfig.resolved)
+DTYPES = ("auto", "float32", "bfloat16", "float16")    # what the CLI offers; parse_dtype also takes fp32, ...
+SEGMENT_EVICTION = ("frequency", "lru")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -40,49 +47,90 @@ def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 _NOT_IN_KV_KEY = ("approx_prefix", "merge_encodings", "blend")
 
 
+def knob(default: Any, help: str, *, advanced: bool = False, choices: Sequence[Any] | None = None,
+         ge: float | None = None, le: float | None = None, parse: Callable[[str], Any] | None = None) -> Any:
+    """A config field with what the CLI, the HTTP schema and docs/configuration.md derive from it:
+    `help` (one line for --help), `advanced` (listed under "advanced segment reuse"), `choices`,
+    inclusive bounds `ge` / `le` (CLI argument check and HTTP schema; `verify` / `__post_init__`
+    stay the authority, including cross-field rules) and `parse` (the CLI's string -> value)."""
+    meta = {"help": help, "advanced": advanced, "choices": tuple(choices) if choices else None,
+            "ge": ge, "le": le, "parse": parse}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def knob_meta(f: dataclasses.Field) -> dict[str, Any]:
+    """A field's knob metadata; a field declared without `knob` is an undocumented advanced knob."""
+    base = {"help": "", "advanced": True, "choices": None, "ge": None, "le": None, "parse": None}
+    return {**base, **dict(f.metadata)}
+
+
+def knob_type(cls: type, f: dataclasses.Field) -> type:
+    """The value type of a field: its annotation without `None` (first member of any other union)."""
+    hint = typing.get_type_hints(cls)[f.name]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512M', '1G', '1.5GiB' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if not m:
+        raise ValueError(f"not a size: {text!r} (examples: 1073741824, 512M, 2G)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
 @dataclass
 class ReuseConfig:
-    """Segment-reuse knobs (engine defaults; each can be overridden per request)."""
-    full_layers: int = 2                 # layers 0..full_layers-1 run every token
-    # share of reused tokens recomputed in the sparse layers. 0.125 with sparse_q's two stages (below)
-    # costs what one stage at 0.15 cost (token-layers and the H200's 8k step) at lower KL:
-    # docs/benchmarks.md, "fifteenth session"
-    recompute_ratio: float = 0.125
-    selector: str = "sparse_q"
-    boundary_tokens: int = 0             # also recompute the first k tokens of each reused segment
-    # sparse_q spends this share of its budget on the first tokens of each reused segment (split
-    # evenly), the rest by score. 0.25 was measured below 0.5 (the earlier default) and 0 on SmolLM2
-    # and Qwen2.5-Coder rag at equal compute: docs/benchmarks.md, "boundary share".
-    boundary_share: float = 0.25
-    min_segment_tokens: int = 16         # shorter pieces are not worth indexing
-    # a segment whose KV was computed starting before this position (with only the prompt's start
-    # before it: its keys carry that start's attention-sink shape) is reused only at a position
-    # before it too; later in a prompt it is recomputed, and its index entry replaced by that
-    # encoding. 0 = reuse every entry anywhere. docs/benchmarks.md, "early encodings".
-    min_context_tokens: int = 128
-    # a request blends only when its segment hits add up to at least this many tokens; below it the
-    # hits are recomputed (exact prefix caching alone serves the request): blending a few short
-    # pieces saves little work and costs fidelity (docs/benchmarks.md, "min_blend_tokens"). 0 = always.
-    min_blend_tokens: int = 256
-    # continue an exact prefix hit with blocks an earlier blended request left behind (its KV as it
-    # is: approximate); off = blend every reused segment afresh (what fidelity evaluation needs)
-    approx_prefix: bool = True
-    # two-stage selection: the first selection (layer F-1) keeps `candidate_ratio` of the reused
-    # tokens as candidates; they run `rescore_layers` more layers, where a second probe scores them
-    # again (from fresher, deeper K/V) and keeps `recompute_ratio` for the remaining layers.
-    # 0 = one stage. None (the default) = AUTO_RESCORE_LAYERS for sparse_q where two stages apply
-    # (`resolved`), one stage for every other selector. docs/benchmarks.md, "two-stage selection".
-    rescore_layers: int | None = None
-    candidate_ratio: float = 0.5
-    # merged encodings: when a request computes exactly (no blend) a segment the index already holds,
-    # the entry becomes the mean of up to this many encodings (keys re-rotated to one position). A
-    # mean over contexts is nearer any new context than one encoding: on rag, deep-layer K/V deviation
-    # falls by a third with two, and with three the default's KL by 32% (docs/benchmarks.md,
-    # "nineteenth session"). 1 = keep the first encoding.
-    merge_encodings: int = 4
-    # False: this request reuses no segment (computed exactly; exact prefix caching still applies) but
-    # indexes its segments, or merges them into the entries: what a corpus ingestion pass sends
-    blend: bool = True
+    """Segment-reuse knobs: the engine's defaults, each overridable per request (`reuse=`).
+
+    Measurements behind the defaults: docs/benchmarks.md (the section named in each comment)."""
+    full_layers: int = knob(2, "layers 0..full_layers-1 recompute every token of a reused segment", ge=0)
+    # 0.125 with sparse_q's two stages costs what one stage at 0.15 costs, at lower KL
+    # (docs/benchmarks.md, two-stage selection)
+    recompute_ratio: float = knob(0.125, "share of reused tokens recomputed in the sparse layers "
+                                         "(past full_layers)", ge=0.0, le=1.0)
+    selector: str = knob("sparse_q", "how the tokens to recompute are chosen", choices=SELECTORS)
+    boundary_tokens: int = knob(0, "also recompute the first k tokens of each reused segment", advanced=True, ge=0)
+    # 0.25 measured below 0.5 and 0 on SmolLM2 and Qwen2.5-Coder rag at equal compute
+    # (docs/benchmarks.md, boundary share)
+    boundary_share: float = knob(0.25, "share of sparse_q's budget spent on the first tokens of each reused "
+                                       "segment (split evenly); the rest goes by score", advanced=True, ge=0.0, le=1.0)
+    min_segment_tokens: int = knob(16, "segments shorter than this are not indexed (too short to be worth it)",
+                                   advanced=True, ge=1)
+    # a segment computed right after the prompt's start carries that start's attention-sink shape in its
+    # keys (docs/benchmarks.md, early encodings)
+    min_context_tokens: int = knob(128, "a segment whose KV was computed starting before this position is "
+                                        "reused only before it too; elsewhere it is recomputed and its index "
+                                        "entry replaced by that encoding. 0 = reuse every entry anywhere",
+                                   advanced=True, ge=0)
+    # blending a few short pieces saves little work and costs fidelity (docs/benchmarks.md, min_blend_tokens)
+    min_blend_tokens: int = knob(256, "a request blends only when its segment hits add up to at least this many "
+                                      "tokens; below it they are recomputed and the request is served exact. "
+                                      "0 = always blend", advanced=True, ge=0)
+    approx_prefix: bool = knob(True, "continue an exact prefix hit with blocks an earlier blended request left "
+                                     "(approximate KV, as it is); off: blend every reused segment afresh "
+                                     "(slower, closer to full prefill)", advanced=True)
+    # two-stage selection: the first selection (layer full_layers-1) keeps candidate_ratio of the reused
+    # tokens; they run rescore_layers more layers, where a second probe scores them again from fresher,
+    # deeper K/V and keeps recompute_ratio for the remaining layers (docs/benchmarks.md, two-stage selection)
+    rescore_layers: int | None = knob(None, "two-stage selection: the first selection's candidates run this many "
+                                            "more layers, then are scored again. 0 = one stage; unset = "
+                                            f"{AUTO_RESCORE_LAYERS} for sparse_q, one stage otherwise",
+                                      advanced=True, ge=0)
+    candidate_ratio: float = knob(0.5, "two-stage selection: share of reused tokens the first selection keeps",
+                                  advanced=True, ge=0.0, le=1.0)
+    # a mean over contexts is nearer any new context than one encoding: on rag it lowers the default's
+    # KL by about a third with three encodings (docs/benchmarks.md, merged encodings)
+    merge_encodings: int = knob(4, "when a request computes a segment the index already holds exactly (no "
+                                   "blend), the entry becomes the mean of up to this many encodings. "
+                                   "1 = keep the first", advanced=True, ge=1)
+    blend: bool = knob(True, "off: the request reuses no segment (computed exactly; exact prefix caching still "
+                             "applies) but indexes or merges its segments, as an ingestion pass does",
+                       advanced=True)
 
     def verify(self, num_layers: int | None = None) -> None:
         if self.selector not in SELECTORS:
@@ -149,23 +197,46 @@ class ReuseConfig:
 
 @dataclass
 class EngineConfig:
-    model: str = "smollm2-135m-instruct"
-    dtype: str | torch.dtype = "float32"  # or "auto": bfloat16 where it runs natively (config.parse_dtype)
-    device: str = "cpu"
-    cache: str = "prefix"                # "none" | "prefix" | "sparsex"
-    seed: int = 0
-    block_size: int = 16
-    num_blocks: int | None = None        # explicit pool size; else sized from kv_cache_memory
-    kv_cache_memory: int = 1 << 30       # bytes for the KV pool when num_blocks is not given
-    max_model_len: int | None = None     # default: the model's max_position_embeddings
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 64
-    segment_eviction: str = "frequency"  # "frequency" (GreedyDual-Size-Frequency) | "lru"
-    reuse: ReuseConfig | None = None
-    cache_dir: str | None = None
-    # run a few small requests at start-up so the first real one does not compile kernels or
-    # capture graphs (sparsex/engine/warmup.py); None = on for CUDA, off for the CPU
-    warmup: bool | None = None
+    """Every knob of `LLM(...)` and `sparsex serve`: the engine's fields here, the segment-reuse ones
+    in `reuse` (ReuseConfig). `from_knobs` builds one from flat keyword arguments."""
+    model: str = knob("smollm2-135m-instruct", "model name, .gguf file, HF model directory or dummy:<shape>")
+    cache: str = knob("sparsex", "KV reuse: none, prefix (exact prefix caching), sparsex (prefix caching + "
+                                 "segment reuse)", choices=CACHE_MODES)
+    dtype: str | torch.dtype = knob("auto", "weights and KV dtype; auto = bfloat16 on a GPU and on a CPU with "
+                                            "native bf16 GEMMs, else float32", choices=DTYPES)
+    device: str = knob("cpu", "cpu | cuda | cuda:N")
+    seed: int = knob(0, "seed of the model's random state (dummy weights, random selector)")
+    num_blocks: int | None = knob(None, "KV pool size in blocks (overrides kv_cache_memory)", ge=1)
+    kv_cache_memory: int = knob(1 << 30, "bytes for the KV pool when num_blocks is not given (CLI: 512M, 2G, ...)",
+                                ge=1, parse=parse_bytes)
+    max_model_len: int | None = knob(None, "longest prompt + completion in tokens; unset = the model's context "
+                                           "length", ge=2)
+    max_num_batched_tokens: int = knob(8192, "tokens one engine step computes at most", ge=1)
+    max_num_seqs: int = knob(64, "requests running at once at most", ge=1)
+    block_size: int = knob(16, "tokens per KV block (the granularity of prefix caching)", choices=BLOCK_SIZES)
+    # start-up requests compile kernels and capture graphs (sparsex/engine/warmup.py)
+    warmup: bool | None = knob(None, "run a few small requests at start-up so the first real one compiles "
+                                     "nothing; unset = on for CUDA, off for the CPU")
+    cache_dir: str | None = knob(None, "where converted models are cached (unset = $SPARSEX_CACHE_DIR or the "
+                                       "user cache)")
+    segment_eviction: str = knob("frequency", "which segment-index entries go first when the KV pool is full: "
+                                              "frequency (GreedyDual-Size-Frequency) or lru",
+                                 advanced=True, choices=SEGMENT_EVICTION)
+    reuse: ReuseConfig | None = dataclasses.field(default=None, metadata={"nested": True})
+
+    @classmethod
+    def from_knobs(cls, **knobs: Any) -> EngineConfig:
+        """EngineConfig(..., reuse=ReuseConfig(...)) from flat keyword arguments: every EngineConfig
+        field and every ReuseConfig field by name. An unknown name raises TypeError naming it."""
+        engine, reuse = engine_knob_names(), reuse_knob_names()
+        unknown = sorted(set(knobs) - set(engine) - set(reuse) - {"reuse"})
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; valid: {sorted(engine + reuse)}")
+        base = knobs.get("reuse") or ReuseConfig()
+        if not isinstance(base, ReuseConfig):
+            raise TypeError(f"reuse must be a ReuseConfig, got {type(base).__name__}")
+        flat = {k: v for k, v in knobs.items() if k in reuse}
+        return cls(**{k: v for k, v in knobs.items() if k in engine}, reuse=dataclasses.replace(base, **flat))
 
     def __post_init__(self) -> None:
         self.torch_dtype = parse_dtype(self.dtype, self.device)
@@ -173,17 +244,19 @@ class EngineConfig:
             self.reuse = ReuseConfig()
         if self.cache not in CACHE_MODES:
             raise ValueError(f"unknown cache mode {self.cache!r}; choose one of {CACHE_MODES}")
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size!r}")
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {self.block_size!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks!r}")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
-        if self.segment_eviction not in ("lru", "frequency"):
+        if self.segment_eviction not in SEGMENT_EVICTION:
             raise ValueError(f"segment_eviction must be 'lru' or 'frequency', got {self.segment_eviction!r}")
         verify_device(self.device)
         if self.warmup not in (None, True, False):
@@ -201,3 +274,12 @@ class EngineConfig:
     @property
     def enable_segment_reuse(self) -> bool:
         return self.cache == "sparsex"
+
+
+def engine_knob_names() -> list[str]:
+    """EngineConfig's own knobs (all fields but the nested `reuse`)."""
+    return [f.name for f in dataclasses.fields(EngineConfig) if not f.metadata.get("nested")]
+
+
+def reuse_knob_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(ReuseConfig)]

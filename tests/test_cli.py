@@ -1,5 +1,5 @@
 """The `sparsex` command line: end-to-end runs in a subprocess on the real model, argument errors,
-and the hooks for subcommands other modules provide."""
+and the subcommands' wiring and engine flags."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -107,6 +106,8 @@ def test_max_tokens_zero_is_a_clean_error() -> None:
     (["generate", "hi", "--temperature", "-1"], "--temperature"),
     (["generate", "hi", "--temperature", "nan"], "--temperature"),
     (["generate", "hi", "--cache", "lru"], "--cache"),
+    (["generate", "hi", "--recompute-ratio", "1.5"], "--recompute-ratio"),
+    (["serve", "--min-blend-tokens", "-3"], "--min-blend-tokens"),
     (["demo", "--max-tokens", "-3"], "--max-tokens"),
     (["bench", "prefill", "--lengths", "512,abc"], "--lengths"),
     (["bench", "throughput", "--num-prompts", "0"], "--num-prompts"),
@@ -145,50 +146,23 @@ def test_argument_types() -> None:
     assert cli.positive_int("3") == 3
 
 
-# ---------------------------------------------------------------- hooks for other modules' subcommands
+# ---------------------------------------------------------------- subcommands and engine flags
 
 
-def _fake_module(monkeypatch: pytest.MonkeyPatch, name: str, **attrs) -> None:
-    mod = types.ModuleType(name)
-    for k, v in attrs.items():
-        setattr(mod, k, v)
-    monkeypatch.setitem(sys.modules, name, mod)
+def test_bench_and_serve_subcommands_are_wired() -> None:
+    parser = cli.build_parser()
+    from sparsex.bench.serve_bench import run_serve_bench
+    from sparsex.bench.workload_bench import run_workload_bench_cli
+    from sparsex.entrypoints.serve_cli import run_serve
+    assert parser.parse_args(["serve", "--port", "9001"]).func is run_serve
+    assert parser.parse_args(["bench", "serve"]).func is run_serve_bench
+    assert parser.parse_args(["bench", "workload", "--out", "x"]).func is run_workload_bench_cli
 
 
-def test_serve_hooks_register_when_modules_exist(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = []
-
-    def add_serve_parser(sub):
-        p = sub.add_parser("serve")
-        p.add_argument("--port", type=int, default=8000)
-        return p
-
-    def add_serve_bench_parser(sub):
-        p = sub.add_parser("serve")
-        p.add_argument("--rate", type=float, default=1.0)
-        p.set_defaults(func=lambda a: calls.append(("bench serve", a.rate)) or 0)
-
-    _fake_module(monkeypatch, "sparsex.entrypoints.serve_cli", add_serve_parser=add_serve_parser,
-                 run_serve=lambda a: calls.append(("serve", a.port)) or 0)
-    _fake_module(monkeypatch, "sparsex.bench.serve_bench", add_serve_bench_parser=add_serve_bench_parser)
-    assert cli.main(["serve", "--port", "9001"]) == 0
-    assert cli.main(["bench", "serve", "--rate", "2.5"]) == 0
-    assert calls == [("serve", 9001), ("bench serve", 2.5)]
-
-
-def test_serve_hooks_absent_or_broken(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    real_import = cli.importlib.import_module
-
-    def fake_import(name: str):
-        if name == "sparsex.entrypoints.serve_cli":
-            raise ModuleNotFoundError("No module named 'uvicorn'", name="uvicorn")   # present but broken
-        if name == "sparsex.bench.serve_bench":
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)        # not there yet
-        return real_import(name)
-
-    monkeypatch.setattr(cli.importlib, "import_module", fake_import)
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["bench", "serve"])                       # not registered: argparse rejects the choice
-    assert exc.value.code == 2 and "invalid choice: 'serve'" in capsys.readouterr().err
-    assert cli.main(["serve", "--port", "1"]) == 2         # a stub that says why, not a broken CLI
-    assert "uvicorn" in capsys.readouterr().err
+def test_generate_takes_every_engine_flag() -> None:
+    from sparsex.entrypoints.serve_cli import engine_knobs
+    args = cli.build_parser().parse_args(["generate", "hi", "--min-blend-tokens", "0", "--selector", "boundary",
+                                          "--max-model-len", "512", "--model", "dummy:smollm2-135m"])
+    knobs = engine_knobs(args)
+    assert knobs["min_blend_tokens"] == 0 and knobs["selector"] == "boundary" and knobs["max_model_len"] == 512
+    assert knobs["model"] == "dummy:smollm2-135m" and knobs["cache"] == "sparsex" and knobs["dtype"] == "auto"

@@ -65,7 +65,7 @@ class Server:
 @pytest.fixture(scope="module")
 def server():
     llm = AsyncLLM.from_config(EngineConfig(**KNOBS, num_blocks=512))
-    settings = ServerSettings(api_key=KEY, tenant_header=TENANT, allow_shared_segments=True)
+    settings = ServerSettings(api_key=KEY, tenant_header=TENANT, allow_shared_segments=True, allow_reuse_overrides=True)
     srv = BackgroundServer(build_app(llm, settings))
     yield Server(srv, llm, llm.model_name)
     srv.stop()
@@ -74,7 +74,8 @@ def server():
 
 @pytest.fixture(scope="module")
 def strict(server):
-    """A second app over the same engine with the defaults: no shared segments, no tenant header."""
+    """A second app over the same engine with the defaults: no shared segments, no tenant header,
+    no per-request reuse overrides."""
     srv = BackgroundServer(build_app(server.llm, ServerSettings(shutdown_engine=False)))
     yield Server(srv, server.llm, server.model)
     srv.stop()
@@ -239,6 +240,82 @@ def test_segments_are_reused_out_of_order(server):
                                         "max_tokens": 2, "temperature": 0}, headers=tenant)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["sparsex"]["segment_reused_tokens"] == 0
+
+
+def test_reuse_overrides_need_the_flag(server, strict):
+    body = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "reuse": {"recompute_ratio": 0.5}}
+    refused = httpx.post(strict.url + "/v1/chat/completions", json=body)
+    _assert_error(refused, 400, "reuse")
+    assert refused.json()["error"]["code"] == "reuse_overrides_disabled"
+    assert "--allow-reuse-overrides" in refused.json()["error"]["message"]
+    refused = httpx.post(strict.url + "/v1/completions", json={**body, "messages": None, "prompt": "hi"})
+    _assert_error(refused, 400, "reuse")
+    assert httpx.post(strict.url + "/v1/chat/completions", json={**body, "reuse": None}).status_code == 200
+    assert server.post("/v1/chat/completions", body, headers=fresh()).status_code == 200     # the flag's server
+    # a misspelt knob is named, not silently ignored
+    _assert_error(server.post("/v1/chat/completions", {**body, "reuse": {"recompute_rate": 0.5}}), 400,
+                  "reuse.recompute_rate")
+
+
+INGEST_PASSAGES = [
+    PASSAGE_A, PASSAGE_B,
+    "The Great Barrier Reef lies off the coast of Queensland in Australia. It is the largest coral reef system on "
+    "the planet; warming seas have bleached large parts of it in recent decades. ",
+    "Lake Baikal in Siberia is the deepest and oldest freshwater lake in the world. It holds about a fifth of the "
+    "unfrozen fresh water on the Earth's surface and is home to the nerpa, a freshwater seal. ",
+    "The Sahara is the largest hot desert in the world, covering much of North Africa. Its sand dunes can reach "
+    "180 metres in height, yet most of its surface is stony plateau rather than sand. ",
+    "The Atacama Desert in northern Chile is one of the driest places on Earth. Some of its weather stations have "
+    "never recorded rain, and astronomers build telescopes there for its clear, dry skies. ",
+    "The Nile is often called the longest river in the world. It flows north through eleven countries, and its "
+    "yearly flood made the farmland of ancient Egypt one of the richest in the world. ",
+]
+INGEST_PREFIX = "You answer questions about geography using only the passages that follow. " * 11
+
+
+def test_segments_endpoint_ingests_per_tenant(server):
+    a, b = fresh(), fresh()
+    question = [INGEST_PREFIX, *INGEST_PASSAGES[::-1], "\nQuestion: which passage mentions a seal?\nAnswer:"]
+
+    def ask(headers):
+        r = server.post("/v1/completions", {"model": server.model, "segments": question, "max_tokens": 1,
+                                            "temperature": 0}, headers=headers)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["sparsex"]
+
+    assert httpx.post(server.url + "/v1/segments", json={"segments": ["x"]}).status_code == 401     # same auth
+    r = server.post("/v1/segments", {"model": server.model, "segments": INGEST_PASSAGES, "prefix": INGEST_PREFIX,
+                                     "group_size": 4, "passes": 2}, headers=a)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["object"] == "segments.ingest" and r.headers["x-sparsex-cache-scope"] == "tenant"
+    assert got["num_prompts"] == 2 * 2 and got["num_segments"] == len(INGEST_PASSAGES)
+    assert got["num_tokens_computed"] > 0 and got["num_segment_entries"] >= len(INGEST_PASSAGES)
+    assert ask(b)["segment_reused_tokens"] == 0          # another tenant finds nothing
+    hit = ask(a)                                         # positive control: the ingesting tenant
+    assert hit["segment_reused_tokens"] > 0
+    for span in hit["reused_spans"]:
+        assert set(span) == {"start", "end", "source", "prompt_index"} and span["source"] in ("segment", "approx_prefix")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"segments": []}, "segments"),
+    ({"segments": ["ok", 3]}, "segments.1"),
+    ({"segments": ["ok"], "passes": 0}, "passes"),
+    ({"segments": ["ok"], "group_size": 0}, "group_size"),
+    ({"segments": ["ok", "hello " * 1100]}, "segments"),
+    ({"segments": ["ok"], "model": "gpt-4"}, "model"),
+])
+def test_segments_endpoint_errors(server, body, param):
+    _assert_error(server.post("/v1/segments", body, headers=fresh()), 400, param)
+
+
+def test_usage_reports_reused_spans_and_skip_reason(server):
+    r = server.post("/v1/completions", {"model": server.model, "prompt": "Hello there", "max_tokens": 1},
+                    headers=fresh())
+    sx = r.json()["usage"]["sparsex"]
+    assert sx["reused_spans"] == [] and sx["reuse_skipped"] is None     # a cold prompt: nothing found
 
 
 def test_tenant_isolation(server):

@@ -72,10 +72,9 @@ def test_engine_flags_reach_the_reuse_config():
     assert engine_config(p.parse_args(["serve", "--min-context-tokens", "0"])).reuse.min_context_tokens == 0
     assert engine_config(p.parse_args(["serve"])).reuse.min_blend_tokens == 256
     assert engine_config(p.parse_args(["serve", "--min-blend-tokens", "0"])).reuse.min_blend_tokens == 0
-    with pytest.raises(ValueError, match="min_blend_tokens"):
-        engine_config(p.parse_args(["serve", "--min-blend-tokens", "-3"])).reuse.verify()
-    with pytest.raises(ValueError, match="min_context_tokens"):
-        engine_config(p.parse_args(["serve", "--min-context-tokens", "-1"])).reuse.verify()
+    for flag in ("--min-blend-tokens", "--min-context-tokens"):     # out of the knob's bounds: a usage error
+        with pytest.raises(SystemExit):
+            p.parse_args(["serve", flag, "-1"])
     assert engine_config(p.parse_args(["serve"])).reuse.boundary_share == 0.25
     assert engine_config(p.parse_args(["serve", "--boundary-share", "0.5"])).reuse.boundary_share == 0.5
     cfg = engine_config(p.parse_args(["serve", "--rescore-layers", "3", "--candidate-ratio", "0.4"]))
@@ -85,3 +84,26 @@ def test_engine_flags_reach_the_reuse_config():
     assert engine_config(p.parse_args(["serve"])).warmup is None                       # on for CUDA only
     assert engine_config(p.parse_args(["serve", "--no-warmup"])).warmup is False
     assert engine_config(p.parse_args(["serve", "--warmup", "--device", "cpu"])).warmup_enabled is True
+    assert engine_config(p.parse_args(["serve"])).cache == "sparsex"
+    assert engine_config(p.parse_args(["serve", "--no-blend", "--merge-encodings", "2"])).reuse.blend is False
+
+
+def test_server_flags_reach_the_settings(monkeypatch):
+    import argparse
+
+    from sparsex.entrypoints import serve_cli
+    from sparsex.entrypoints.async_engine import AsyncLLM
+    seen = {}
+
+    def fake_app(engine, settings):
+        seen["settings"] = settings
+        raise SystemExit(0)          # stop before uvicorn starts
+
+    monkeypatch.setattr(AsyncLLM, "from_config", classmethod(lambda cls, config, **kw: config))
+    monkeypatch.setattr("sparsex.entrypoints.openai_server.build_app", fake_app)
+    p = argparse.ArgumentParser()
+    serve_cli.add_serve_parser(p.add_subparsers(dest="command", required=True))
+    for argv, allowed in ((["serve"], False), (["serve", "--allow-reuse-overrides"], True)):
+        with pytest.raises(SystemExit):
+            serve_cli.run_serve(p.parse_args(argv))
+        assert seen["settings"].allow_reuse_overrides is allowed

@@ -236,10 +236,6 @@ class AsyncLLM:
         self._request_close(drain)
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
 
-    def shutdown_sync(self, drain: bool = True, timeout: float | None = None) -> None:
-        self._request_close(drain)
-        self._thread.join(timeout)
-
     # ---- plumbing ---------------------------------------------------------------------------
     def _call(self, fn: Callable[[Any], T]) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()

@@ -6,48 +6,36 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from sparsex.config import EngineConfig, ReuseConfig
+from sparsex.config import EngineConfig
 from sparsex.engine.llm_engine import LLMEngine
+from sparsex.entrypoints.ingest import INGEST_PARAMS, IngestResult, ingest_result, pass_reuse, plan_ingest
 from sparsex.outputs import RequestOutput
 from sparsex.sampling_params import SamplingParams
 
 
-_R = ReuseConfig()      # the segment-reuse defaults, one source: config.ReuseConfig
-
-
 class LLM:
-    """llm = LLM(model="smollm2-135m-instruct", dtype="float32", cache="prefix", seed=0)
+    """An engine in this process: `LLM(model, **knobs)`.
 
-    cache: "none" (no reuse) | "prefix" (exact prefix caching) | "sparsex" (prefix + segment reuse).
-    Segment-reuse knobs: full_layers, recompute_ratio, selector, boundary_tokens, boundary_share, min_segment_tokens,
-    min_context_tokens, min_blend_tokens, rescore_layers, candidate_ratio, approx_prefix, merge_encodings
-    (per call also `blend`: generate(..., reuse={"blend": False}) computes exactly and merges, an ingestion pass).
-    warmup: run a few small requests at start-up so the first real one compiles nothing
-    (None: on for CUDA, off for the CPU).
+        llm = LLM()                                   # SmolLM2-135M-Instruct, cache="sparsex", dtype="auto"
+        llm = LLM("smollm2-135m-instruct", cache="prefix", dtype="float32", recompute_ratio=0.2)
+
+    Every keyword is a field of EngineConfig or ReuseConfig (sparsex/config.py); docs/configuration.md
+    lists them all with defaults and when to change them. The everyday ones:
+
+      cache: "sparsex" (prefix caching + segment reuse, default) | "prefix" (exact prefix caching) | "none"
+      dtype: "auto" (bfloat16 where it runs natively, else float32) | "float32" | "bfloat16" | "float16"
+      device: "cpu" | "cuda" | "cuda:N";   seed
+      memory and length: num_blocks or kv_cache_memory (bytes), max_model_len, max_num_seqs,
+          max_num_batched_tokens
+      segment reuse: recompute_ratio, full_layers, selector
+
+    An unknown keyword raises TypeError naming it and listing the valid ones. Per call,
+    `generate(..., reuse={...})` overrides segment-reuse knobs for those prompts; `ingest` computes
+    a corpus's segments ahead of the requests that will reuse them.
     """
 
-    def __init__(self, model: str = "smollm2-135m-instruct", *, dtype: str = "float32", cache: str = "prefix",
-                 seed: int = 0, device: str = "cpu", block_size: int = 16, num_blocks: int | None = None,
-                 kv_cache_memory: int = 1 << 30, max_model_len: int | None = None,
-                 max_num_batched_tokens: int = 8192, max_num_seqs: int = 64,
-                 full_layers: int = _R.full_layers, recompute_ratio: float = _R.recompute_ratio,
-                 selector: str = _R.selector, boundary_tokens: int = _R.boundary_tokens,
-                 boundary_share: float = _R.boundary_share, min_segment_tokens: int = _R.min_segment_tokens,
-                 min_context_tokens: int = _R.min_context_tokens, min_blend_tokens: int = _R.min_blend_tokens,
-                 rescore_layers: int | None = _R.rescore_layers, candidate_ratio: float = _R.candidate_ratio,
-                 approx_prefix: bool = _R.approx_prefix, merge_encodings: int = _R.merge_encodings,
-                 segment_eviction: str = "frequency", cache_dir: str | None = None, warmup: bool | None = None):
-        reuse = ReuseConfig(full_layers=full_layers, recompute_ratio=recompute_ratio, selector=selector,
-                            boundary_tokens=boundary_tokens, boundary_share=boundary_share,
-                            min_segment_tokens=min_segment_tokens,
-                            min_context_tokens=min_context_tokens, min_blend_tokens=min_blend_tokens,
-                            rescore_layers=rescore_layers, candidate_ratio=candidate_ratio,
-                            approx_prefix=approx_prefix, merge_encodings=merge_encodings)
-        self.config = EngineConfig(model=model, dtype=dtype, device=device, cache=cache, seed=seed,
-                                   block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
-                                   max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-                                   max_num_seqs=max_num_seqs, segment_eviction=segment_eviction, reuse=reuse,
-                                   cache_dir=cache_dir, warmup=warmup)
+    def __init__(self, model: str = EngineConfig.model, **knobs: Any):
+        self.config = EngineConfig.from_knobs(model=model, **knobs)
         self.llm_engine = LLMEngine(self.config)
         self._counter = itertools.count()
 
@@ -77,6 +65,22 @@ class LLM:
         params = self._params(sampling_params, len(convs))
         tokenized = [self.llm_engine.chat_to_prompt(c, add_generation_prompt, cache_salt, tools) for c in convs]
         return self._run(tokenized, params, use_tqdm, reuse)
+
+    def ingest(self, segments: Sequence[str], *, prefix: str | None = None, cache_salt: str | None = None,
+               passes: int = 3, group_size: int = 8, seed: int = 0, use_tqdm: bool = False) -> IngestResult:
+        """Compute `segments` (a corpus's passages) ahead of the prompts that will reuse them, in
+        any order and position: prompts of `group_size` segments after `prefix` (the application's
+        system prompt or preamble, if any; at least `min_context_tokens` long lets every segment be
+        reused anywhere), pass 1 in order, passes 2..`passes` in seeded shuffles computed exactly, so
+        each index entry becomes the mean of its encodings. `cache_salt`: the namespace the entries
+        belong to (later prompts must carry the same salt to reuse them)."""
+        engine = self.llm_engine
+        plan = plan_ingest(engine, segments, prefix=prefix, cache_salt=cache_salt, passes=passes,
+                           group_size=group_size, seed=seed)
+        outputs: list[RequestOutput] = []
+        for i, prompts in enumerate(plan.passes):
+            outputs += self._run(prompts, [INGEST_PARAMS] * len(prompts), use_tqdm, pass_reuse(engine, i))
+        return ingest_result(engine, plan, outputs)
 
     @staticmethod
     def _params(sp, n: int) -> list[SamplingParams]:

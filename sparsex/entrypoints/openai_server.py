@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP app: `build_app(async_engine, settings)`.
 
-    POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    POST /v1/chat/completions   POST /v1/completions   POST /v1/segments   GET /v1/models
     POST /tokenize              GET /health            GET /metrics
 
 Serve it with any ASGI server (`sparsex serve` uses uvicorn). On shutdown the app drains the
@@ -26,6 +26,8 @@ from sparsex.entrypoints.protocol import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
+    IngestRequest,
+    IngestResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -34,6 +36,7 @@ from sparsex.entrypoints.protocol import (
 from sparsex.entrypoints.serving_chat import create_chat_completion
 from sparsex.entrypoints.serving_common import ServingContext
 from sparsex.entrypoints.serving_completion import create_completion, segment_pieces
+from sparsex.entrypoints.serving_segments import ingest_segments
 from sparsex.entrypoints.settings import ServerSettings
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -70,6 +73,10 @@ def build_app(async_engine: AsyncLLM, settings: ServerSettings | None = None) ->
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_STREAM, **_ERRORS})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(body, request, ctx)
+
+    @app.post("/v1/segments", response_model=IngestResponse, responses=_ERRORS)
+    async def segments(body: IngestRequest, request: Request) -> IngestResponse:
+        return await ingest_segments(body, request, ctx)
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models() -> ModelList:

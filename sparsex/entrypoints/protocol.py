@@ -7,11 +7,13 @@ engine re-checks everything (`SamplingParams.verify`, prompt length) and its Val
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
+from sparsex.config import ReuseConfig, knob_meta, knob_type
 from sparsex.sampling_params import MAX_LOGPROBS
 
 # torch.Generator.manual_seed takes at most 64 bits and the engine seeds choice i with seed + i:
@@ -40,32 +42,30 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class ReuseOptions(_Request):
-    """Per-request overrides of the segment-reuse knobs (cache mode `sparsex` only)."""
-    full_layers: int | None = Field(default=None, ge=0)
-    recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
-    selector: str | None = None
-    boundary_tokens: int | None = Field(default=None, ge=0)
-    boundary_share: float | None = Field(default=None, ge=0.0, le=1.0, description="share of sparse_q's budget "
-                                         "spent on the first tokens of each reused segment")
-    min_context_tokens: int | None = Field(default=None, ge=0, description="a segment computed before this "
-                                           "position is reused only before it (elsewhere recomputed)")
-    min_blend_tokens: int | None = Field(default=None, ge=0, description="blend only when the segment hits "
-                                         "total at least this many tokens (else recompute them)")
-    rescore_layers: int | None = Field(default=None, ge=0, description="two-stage selection: the first "
-                                       "selection's candidates run this many more layers, then are scored again")
-    candidate_ratio: float | None = Field(default=None, ge=0.0, le=1.0, description="two-stage selection: share "
-                                          "of reused tokens the first selection keeps")
-    approx_prefix: bool | None = Field(default=None, description="continue a prefix hit with blended KV "
-                                       "that earlier requests left (false: blend every reused segment afresh)")
-    merge_encodings: int | None = Field(default=None, ge=1, description="a segment this request computes exactly "
-                                        "is merged into its index entry, which holds the mean of up to this many "
-                                        "encodings (1: keep the first)")
-    blend: bool | None = Field(default=None, description="false: reuse no segment, compute exactly, and index or "
-                               "merge this prompt's segments (a corpus ingestion pass)")
+class _ReuseOptionsBase(_Request):
+    # a misspelt knob is an error here, not silently the engine default
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     def overrides(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)
+
+
+def _reuse_options_model() -> type[_ReuseOptionsBase]:
+    """One optional field per ReuseConfig field, typed, bounded and described by its knob metadata:
+    a new ReuseConfig knob is a request field without further code."""
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(ReuseConfig):
+        meta = knob_meta(f)
+        kind = knob_type(ReuseConfig, f)
+        fields[f.name] = (kind | None, Field(default=None, ge=meta["ge"], le=meta["le"],
+                                              description=meta["help"] or None))
+    return create_model("ReuseOptions", __base__=_ReuseOptionsBase,
+                        __doc__="Per-request overrides of the segment-reuse knobs (cache mode `sparsex` "
+                                "only; refused unless the server runs with --allow-reuse-overrides).",
+                        **fields)
+
+
+ReuseOptions = _reuse_options_model()
 
 
 class _SamplingFields(_Request):
@@ -91,7 +91,8 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = Field(default=None, description="isolates this request's cache entries (see docs/server.md)")
-    reuse: ReuseOptions | None = None
+    reuse: ReuseOptions | None = Field(default=None, description="per-request segment-reuse knobs (needs "
+                                       "--allow-reuse-overrides; docs/configuration.md)")
 
 
 # ---- chat -------------------------------------------------------------------------------------
@@ -155,6 +156,31 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = Field(default=None, ge=1)
 
 
+# ---- segment ingestion ------------------------------------------------------------------------
+class IngestRequest(_Request):
+    """POST /v1/segments: compute these segments ahead of the requests that will reuse them
+    (sparsex/entrypoints/ingest.py)."""
+    model: str | None = None
+    segments: list[str] = Field(min_length=1, description="the texts to ingest (e.g. a corpus's passages)")
+    prefix: str | None = Field(default=None, description="text every ingestion prompt starts with: the "
+                               "application's system prompt or preamble")
+    cache_salt: str | None = Field(default=None, description="namespace of the entries (the tenant header "
+                                   "overrides it, as for completions)")
+    passes: int = Field(default=3, ge=1, le=16, description="pass 1 in order; later passes regroup the segments "
+                        "and merge each one's encodings")
+    group_size: int = Field(default=8, ge=1, description="segments per ingestion prompt")
+    seed: int = Field(default=0, ge=_SEED_MIN, le=_SEED_MAX, description="seed of the later passes' shuffles")
+
+
+class IngestResponse(_Response):
+    object: Literal["segments.ingest"] = "segments.ingest"
+    num_prompts: int
+    num_segments: int
+    num_tokens_computed: int
+    num_segment_entries: int | None = Field(description="entries in the segment index afterwards, all "
+                                            "tenants (null: cache mode is not sparsex)")
+
+
 # ---- tokenize ---------------------------------------------------------------------------------
 class TokenizeRequest(_Request):
     model: str | None = None
@@ -176,10 +202,22 @@ class PromptTokensDetails(_Response):
     cached_tokens: int = 0
 
 
+class ReusedSpanInfo(_Response):
+    start: int                          # prompt positions [start, end)
+    end: int
+    source: str = Field(description="'segment' (a segment-index entry, re-rotated) or 'approx_prefix' "
+                                    "(blocks an earlier blended request left)")
+    prompt_index: int = Field(default=0, description="which prompt of a batched completions request")
+
+
 class SparseXUsage(_Response):
     prefix_cached_tokens: int = 0       # exact prefix-cache hits
     segment_reused_tokens: int = 0      # served from the segment cache (approximate KV, then blended)
     recomputed_tokens: int = 0          # reused tokens the sparse layers recomputed
+    reused_spans: list[ReusedSpanInfo] = Field(default_factory=list,
+                                               description="where segment_reused_tokens sit in the prompt")
+    reuse_skipped: str | None = Field(default=None, description="why indexed segments were found but not "
+                                                                "reused (null: all reused, or none found)")
 
 
 class Usage(_Response):

@@ -4,8 +4,9 @@ from __future__ import annotations
 import dataclasses
 
 from sparsex.config import ReuseConfig
-from sparsex.entrypoints.errors import bad_request
+from sparsex.entrypoints.errors import APIError, bad_request
 from sparsex.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from sparsex.entrypoints.settings import ServerSettings
 from sparsex.sampling_params import SamplingParams
 
 
@@ -13,8 +14,9 @@ def _unsupported(field: str, why: str = "is not supported by this server") -> No
     raise bad_request(f"{field} {why}", param=field, code="unsupported_parameter")
 
 
-def check_supported(req: _SamplingFields) -> None:
-    """400 for OpenAI features that would otherwise be silently ignored."""
+def check_supported(req: _SamplingFields, settings: ServerSettings) -> None:
+    """400 for OpenAI features that would otherwise be silently ignored, and for `reuse` overrides
+    the operator did not allow."""
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name) not in (None, 0, 0.0):
             _unsupported(name)
@@ -29,6 +31,10 @@ def check_supported(req: _SamplingFields) -> None:
             _unsupported("response_format", "other than {'type': 'text'} is not supported")
         if req.tool_choice not in (None, "none", "auto"):
             _unsupported("tool_choice", "other than 'none' or 'auto' is not supported")
+    if req.reuse is not None and not settings.allow_reuse_overrides:
+        raise APIError(400, "per-request 'reuse' overrides are disabled on this server: they change what the "
+                            "shared segment cache keeps (start the server with --allow-reuse-overrides; to "
+                            "ingest segments, POST /v1/segments)", param="reuse", code="reuse_overrides_disabled")
     if req.reuse is not None:
         try:    # the engine checks again (against the model's layer count) when it queues the request
             dataclasses.replace(ReuseConfig(), **req.reuse.overrides()).verify()

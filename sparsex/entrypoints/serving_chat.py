@@ -52,7 +52,7 @@ def _part_scopes(body: ChatCompletionRequest) -> list[str]:
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: ServingContext) -> Response:
     ctx.check_model(body.model)
-    check_supported(body)
+    check_supported(body, ctx.settings)
     if not body.messages:
         raise bad_request("messages must be a non-empty list", param="messages")
     params = chat_sampling_params(body)

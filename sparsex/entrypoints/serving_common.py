@@ -19,7 +19,7 @@ from sparsex.entrypoints.async_engine import (
 )
 from sparsex.entrypoints.errors import APIError, bad_request
 from sparsex.entrypoints.logprobs import TokenText
-from sparsex.entrypoints.protocol import PromptTokensDetails, SparseXUsage, Usage
+from sparsex.entrypoints.protocol import PromptTokensDetails, ReusedSpanInfo, SparseXUsage, Usage
 from sparsex.entrypoints.settings import ServerSettings
 from sparsex.entrypoints.tenancy import CacheNamespace, resolve_namespace
 from sparsex.outputs import RequestOutput
@@ -89,7 +89,12 @@ def usage_of(outputs: list[RequestOutput]) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=prefix + reused),
                  sparsex=SparseXUsage(prefix_cached_tokens=prefix, segment_reused_tokens=reused,
-                                      recomputed_tokens=sum(o.num_recomputed_tokens for o in outputs)))
+                                      recomputed_tokens=sum(o.num_recomputed_tokens for o in outputs),
+                                      reused_spans=[ReusedSpanInfo(start=s.start, end=s.end, source=s.source,
+                                                                   prompt_index=i)
+                                                    for i, o in enumerate(outputs) for s in o.reused_spans],
+                                      reuse_skipped=next((o.reuse_skipped for o in outputs if o.reuse_skipped),
+                                                         None)))
 
 
 async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:

@@ -68,7 +68,7 @@ def _prompts(body: CompletionRequest, salt: str | None) -> list[dict[str, Any]]:
 
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServingContext) -> Response:
     ctx.check_model(body.model)
-    check_supported(body)
+    check_supported(body, ctx.settings)
     if body.segments is not None and body.prompt in ("", []):
         body.prompt = None      # clients whose `prompt` is mandatory (the openai SDK) send "" with segments
     if (body.prompt is None) == (body.segments is None):

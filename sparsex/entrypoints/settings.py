@@ -9,6 +9,10 @@ class ServerSettings:
     api_key: str | None = None                # when set, /v1/* and /tokenize need `Authorization: Bearer <key>`
     tenant_header: str | None = None          # request header naming the tenant; overrides the body's cache_salt
     allow_shared_segments: bool = False       # accept content parts with cache_segment.scope == "shared"
+    # accept a body's `reuse` (per-request segment-reuse knobs). Off: a client could otherwise change
+    # what the shared segment index keeps (blend=false, merge_encodings) or lower everyone's fidelity
+    # floor for its own requests; ingestion has its own endpoint, POST /v1/segments
+    allow_reuse_overrides: bool = False
     served_model_name: str | None = None      # the `model` clients must name (default: the engine's model name)
     retry_after_s: int = 1                    # Retry-After on 503 queue-full answers
     shutdown_engine: bool = True              # stop (drain) the engine when the app shuts down
