@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsex.bench import workload_bench as wb
+from sparsex.bench.workload_bench import run_workload_bench
+from sparsex.bench.answer_scoring import exact_match, token_f1
+from sparsex.bench.engine_cache import EngineCache
+from sparsex.bench.flop_model import FlopModel
+from sparsex.bench.policy_summary import PolicySummary
+from sparsex.bench.replay import compute_reference
+from sparsex.bench.stream import run_stream
+from sparsex.bench.workload_config import StreamConfig, WorkloadBenchConfig, WorkloadParams
+from sparsex.bench.workload_prompts import build_workload, ingestion_preamble, tokenized_workload
 from sparsex.bench.policies import NAMED_POLICIES, SWEEP_FULL_LAYERS, SWEEP_RATIOS, parse_policies, sweep_policies
 from sparsex.models import packaged_gguf
 
@@ -42,16 +50,16 @@ def one_thread():
 @pytest.fixture(scope="module")
 def engines():
     """One set of engines for every run of this module (each policy still starts from empty caches)."""
-    cache = wb.EngineCache("smollm2-135m-instruct", "float32")
+    cache = EngineCache("smollm2-135m-instruct", "float32")
     yield cache
     cache.release()
 
 
 def _run(tmp_path: Path, engines, workload: str, policies: str = POLICIES,
-         **params) -> tuple[list[wb.PolicySummary], list[dict]]:
-    cfg = wb.WorkloadBenchConfig(workload=workload, policies=policies, params=wb.WorkloadParams(**params),
+         **params) -> tuple[list[PolicySummary], list[dict]]:
+    cfg = WorkloadBenchConfig(workload=workload, policies=policies, params=WorkloadParams(**params),
                                  out=str(tmp_path / workload), **TINY)
-    summaries = wb.run_workload_bench(cfg, engines)
+    summaries = run_workload_bench(cfg, engines)
     out = tmp_path / workload
     for name in ("requests.json", "requests.csv", "summary.json", "summary.csv", "summary.md",
                  f"workload_{workload}_pareto.png", f"workload_{workload}_ttft_cdf.png"):
@@ -112,8 +120,8 @@ def test_reference_continuation_stops_at_eos(engines) -> None:
     tokens no user sees, which a policy nearly always agrees on; `past_eos` keeps them (fixed length)."""
     engine, _ = engines.take("none", "timed", 64)
     prompt = engine.chat_to_prompt([{"role": "user", "content": "What is the capital of France? Answer in one word."}])
-    stopped = wb.compute_reference(engine, prompt, 16, None)
-    past = wb.compute_reference(engine, prompt, 16, None, past_eos=True)
+    stopped = compute_reference(engine, prompt, 16, None)
+    past = compute_reference(engine, prompt, 16, None, past_eos=True)
     assert len(past.cont) == len(past.lps) == 16
     assert stopped.cont[-1] in engine.eos_token_ids and len(stopped.cont) < 16       # "... Paris.<|im_end|>"
     assert stopped.cont == past.cont[:len(stopped.cont)] and len(stopped.lps) == len(stopped.cont)
@@ -127,9 +135,9 @@ def test_rag_prewarm_ingests_every_passage_before_the_replay(tmp_path, engines) 
     # cold, a passage hits only from its second query on; after ingesting the corpus every passage
     # of every query is a segment (or prefix) hit
     kw = dict(queries=2, k=2, num_passages=4, passage_tokens=(60, 120), seed=1)
-    cfg = wb.WorkloadBenchConfig(workload="rag", policies="none,prefix,naive", params=wb.WorkloadParams(**kw),
+    cfg = WorkloadBenchConfig(workload="rag", policies="none,prefix,naive", params=WorkloadParams(**kw),
                                  out=str(tmp_path / "warm"), prewarm=True, **TINY)
-    summaries = {s.policy: s for s in wb.run_workload_bench(cfg, engines)}
+    summaries = {s.policy: s for s in run_workload_bench(cfg, engines)}
     records = json.loads((tmp_path / "warm" / "requests.json").read_text())["requests"]
     naive = [r for r in records if r["policy"] == "naive"]
     # every passage is a segment hit: the ingestion prompts open with a preamble, so no passage was
@@ -137,31 +145,31 @@ def test_rag_prewarm_ingests_every_passage_before_the_replay(tmp_path, engines) 
     assert all(r["segment_hit_tokens"] == r["segment_lookup_tokens"] for r in naive)
     assert all(r["cached_tokens"] < 64 for r in naive)          # the head's blocks only, no passage
     assert sum(r["segment_lookup_tokens"] for r in naive) > 0
-    cold = wb.WorkloadBenchConfig(workload="rag", policies="naive", params=wb.WorkloadParams(**kw),
+    cold = WorkloadBenchConfig(workload="rag", policies="naive", params=WorkloadParams(**kw),
                                   out=str(tmp_path / "cold"), **TINY)
-    cold_naive = {s.policy: s for s in wb.run_workload_bench(cold, engines)}["naive"]
+    cold_naive = {s.policy: s for s in run_workload_bench(cold, engines)}["naive"]
     assert summaries["naive"].compute_share < cold_naive.compute_share     # more reused, less computed
     assert "after ingesting" in (tmp_path / "warm" / "summary.md").read_text()
     # the later ingestion passes (the default prewarm_passes=3) compute every passage again in
     # another grouping and merges that encoding into its entry
     env = json.loads((tmp_path / "warm" / "summary.json").read_text())["environment"]
     assert env["prewarm_passes"] == 3 and env["merged_encodings"] >= 1
-    w = wb._tokenized_workload(engines, lambda tok: wb.build_workload(cfg, tok), prewarm=True,
-                               make_preamble=lambda tok, used: wb.ingestion_preamble(cfg, tok, used),
+    w = tokenized_workload(engines, lambda tok: build_workload(cfg, tok), prewarm=True,
+                               make_preamble=lambda tok, used: ingestion_preamble(cfg, tok, used),
                                prewarm_passes=3, seed=1)
     assert len(w.rewarm_prompts) == 2 * len(w.warm_prompts)
     # the same passages, every pass, in other groupings (seeded: the same again)
-    again = wb._tokenized_workload(engines, lambda tok: wb.build_workload(cfg, tok), prewarm=True,
-                                   make_preamble=lambda tok, used: wb.ingestion_preamble(cfg, tok, used),
+    again = tokenized_workload(engines, lambda tok: build_workload(cfg, tok), prewarm=True,
+                                   make_preamble=lambda tok, used: ingestion_preamble(cfg, tok, used),
                                    prewarm_passes=3, seed=1)
     assert [p.token_ids for p in again.rewarm_prompts] == [p.token_ids for p in w.rewarm_prompts]
     n, total = len(w.warm_prompts), (lambda ps: sum(len(p.token_ids) for p in ps))
     assert total(w.rewarm_prompts[:n]) == total(w.warm_prompts) == total(w.rewarm_prompts[n:])
     assert [p.token_ids for p in w.rewarm_prompts[:n]] != [p.token_ids for p in w.warm_prompts]
     with pytest.raises(ValueError, match="prewarm_passes"):
-        wb.WorkloadBenchConfig(workload="rag", prewarm=True, prewarm_passes=0).verify()
+        WorkloadBenchConfig(workload="rag", prewarm=True, prewarm_passes=0).verify()
     with pytest.raises(ValueError, match="prewarm"):
-        wb.WorkloadBenchConfig(workload="chat", prewarm=True).verify()
+        WorkloadBenchConfig(workload="chat", prewarm=True).verify()
 
 
 @needs_smollm2
@@ -182,9 +190,9 @@ def test_agent_end_to_end(tmp_path, engines) -> None:
 
 @needs_smollm2
 def test_stream_end_to_end(tmp_path) -> None:
-    cfg = wb.StreamConfig(queries=6, k=2, num_passages=12, passage_tokens=(60, 120), kv_fraction=1.0, window=3,
+    cfg = StreamConfig(queries=6, k=2, num_passages=12, passage_tokens=(60, 120), kv_fraction=1.0, window=3,
                           out=str(tmp_path), progress=False)
-    summaries = wb.run_stream(cfg)
+    summaries = run_stream(cfg)
     assert [s.eviction for s in summaries] == ["lru", "frequency"]
     for s in summaries:
         assert s.num_requests == 6 and len(s.window_hit_rates) == 2
@@ -243,7 +251,7 @@ def test_policies() -> None:
 
 
 def test_flop_model_matches_compute_share() -> None:
-    fm = wb.FlopModel(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
+    fm = FlopModel(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
                       vocab=49152)
     full_tl, full = fm.prefill(1000, 0, [], 0, 30)
     assert full_tl == 30 * 1000
@@ -267,19 +275,19 @@ def test_flop_model_matches_compute_share() -> None:
 
 
 def test_task_score() -> None:
-    assert wb.token_f1("The city of Adana, Turkey.", "City in Turkey") == pytest.approx(2 * (2 / 4) * (2 / 3) / (2 / 4 + 2 / 3))
-    assert wb.exact_match("A city in Turkey!", "city in turkey") == 1.0
-    assert wb.token_f1("", "x") == 0.0
+    assert token_f1("The city of Adana, Turkey.", "City in Turkey") == pytest.approx(2 * (2 / 4) * (2 / 3) / (2 / 4 + 2 / 3))
+    assert exact_match("A city in Turkey!", "city in turkey") == 1.0
+    assert token_f1("", "x") == 0.0
 
 
 def test_config_verify() -> None:
     for kw in (dict(workload="web"), dict(fidelity_tokens=0), dict(fidelity_every=-1), dict(num_blocks=0),
-               dict(params=wb.WorkloadParams(queries=0)), dict(params=wb.WorkloadParams(passage_tokens=(50, 10)))):
+               dict(params=WorkloadParams(queries=0)), dict(params=WorkloadParams(passage_tokens=(50, 10)))):
         with pytest.raises(ValueError):
-            wb.WorkloadBenchConfig(**kw).verify()
+            WorkloadBenchConfig(**kw).verify()
     for kw in (dict(kv_fraction=0), dict(evictions=("fifo",)), dict(evictions=()), dict(window=0)):
         with pytest.raises(ValueError):
-            wb.StreamConfig(**kw).verify()
+            StreamConfig(**kw).verify()
 
 
 # ---------------------------------------------------------------- command line
