@@ -102,7 +102,8 @@ def run_stream(cfg: StreamConfig) -> list[StreamSummary]:
                [{k: v for k, v in asdict(s).items() if k != "window_hit_rates"} for s in summaries])
     with open(os.path.join(cfg.out, "stream_summary.md"), "w") as f:
         f.write(stream_markdown(summaries, cfg))
-    plot_stream(summaries, os.path.join(cfg.plot_dir or cfg.out, "workload_stream_hit_rate.png"), cfg, env)
+    if cfg.plot_dir is not None:
+        plot_stream(summaries, os.path.join(cfg.plot_dir, "workload_stream_hit_rate.png"), cfg, env)
     return summaries
 
 

@@ -39,7 +39,8 @@ The `none` policy *is* the reference: its fidelity is exact by definition, not m
 (lru, frequency): segment hit rate per window of `--window` queries.
 
 Outputs in --out: requests.json/.csv (every request of every policy), summary.json/.csv/.md;
-plots (PNG) in --plot-dir: fidelity-vs-TTFT Pareto front, TTFT CDF, stream hit rate.
+with --plot-dir, PNG plots there (`sparsex.bench.plots`; matplotlib, the `bench` extra: `pip install
+sparsex[bench]`): fidelity-vs-TTFT Pareto front, TTFT CDF, stream hit rate.
 """
 from __future__ import annotations
 
@@ -133,9 +134,10 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
                prewarm_prompts=len(w.warm_prompts), prewarm_passes=cfg.prewarm_passes if cfg.prewarm else 0,
                merged_encodings=merged)
     write_outputs(cfg.out, cfg, policies, records, summaries, env)
-    stem = os.path.join(cfg.plot_dir or cfg.out, f"workload_{cfg.workload}{'_sweep' if cfg.sweep else ''}")
-    plot_pareto(summaries, stem + "_pareto.png", cfg, env)
-    plot_ttft_cdf(records, policies, stem + "_ttft_cdf.png", cfg, env)
+    if cfg.plot_dir is not None:
+        stem = os.path.join(cfg.plot_dir, f"workload_{cfg.workload}{'_sweep' if cfg.sweep else ''}")
+        plot_pareto(summaries, stem + "_pareto.png", cfg, env)
+        plot_ttft_cdf(records, policies, stem + "_ttft_cdf.png", cfg, env)
     return summaries
 
 
@@ -173,7 +175,8 @@ def add_workload_bench_parser(subparsers: argparse._SubParsersAction) -> argpars
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (on a busy shared CPU, 1 is often much faster)")
     p.add_argument("--out", default="workload_bench_out", help="directory for JSON/CSV/markdown")
-    p.add_argument("--plot-dir", default=None, help="directory for PNG plots (default: --out)")
+    p.add_argument("--plot-dir", default=None,
+                   help="directory for PNG plots; none without it (matplotlib: pip install sparsex[bench])")
     p.add_argument("--no-progress", action="store_true")
     g = p.add_argument_group("fidelity")
     g.add_argument("--fidelity-tokens", type=int, default=WorkloadBenchConfig.fidelity_tokens,
@@ -267,7 +270,8 @@ def run_workload_bench_cli(args: argparse.Namespace) -> int:
     summaries = run_workload_bench(cfg)
     print(summary_markdown(summaries, cfg.fidelity_tokens), end="")
     print(fidelity_markdown(summaries), end="")
-    print(f"outputs: {cfg.out}/ (requests.json/.csv, summary.json/.csv/.md); plots: {cfg.plot_dir or cfg.out}/")
+    plots = f"; plots: {cfg.plot_dir}/" if cfg.plot_dir is not None else ""
+    print(f"outputs: {cfg.out}/ (requests.json/.csv, summary.json/.csv/.md){plots}")
     return 0
 
 

@@ -56,10 +56,11 @@ class WorkloadBenchConfig:
     # (ReuseConfig.merge_encodings): docs/benchmarks.md, "nineteenth session"
     prewarm_passes: int = 3
     out: str = "workload_bench_out"
-    plot_dir: str | None = None          # default: --out
+    plot_dir: str | None = None          # PNG plots here (matplotlib); None: no plots
     progress: bool = True
 
     def verify(self) -> None:
+        _verify_plot_dir(self.plot_dir)
         if self.workload not in WORKLOADS:
             raise ValueError(f"unknown workload {self.workload!r}; choose one of {WORKLOADS}")
         from sparsex.config import verify_device
@@ -99,10 +100,11 @@ class StreamConfig:
     evictions: tuple[str, ...] = EVICTIONS
     max_tokens: int = 1
     out: str = "workload_bench_out"
-    plot_dir: str | None = None
+    plot_dir: str | None = None          # PNG plot here (matplotlib); None: no plot
     progress: bool = True
 
     def verify(self) -> None:
+        _verify_plot_dir(self.plot_dir)
         for name in ("queries", "k", "num_passages", "window", "max_tokens"):
             _positive(name, getattr(self, name))
         if not 0 < self.kv_fraction <= 1:
@@ -114,6 +116,12 @@ class StreamConfig:
         lo, hi = self.passage_tokens
         if not 1 <= lo <= hi:
             raise ValueError(f"passage_tokens must be MIN:MAX with 1 <= MIN <= MAX, got {lo}:{hi}")
+
+
+def _verify_plot_dir(plot_dir: str | None) -> None:
+    if plot_dir is not None:
+        from sparsex.bench.plots import require_matplotlib
+        require_matplotlib()
 
 
 def _positive(name: str, value: Any) -> None:
