@@ -1,10 +1,19 @@
 """End-to-end workload benchmark: cache policies replayed over a RAG, chat or agent workload.
 
-    sparsex bench workload --workload rag --policies none,prefix,naive,epic16,cacheblend,sparsex \\
-        --queries 16 --k 4 --out runs/rag --plot-dir docs/img --threads 1
+    sparsex bench workload --workload rag --policies none,sparsex --out runs/rag
+    sparsex bench workload --workload rag --no-prewarm --queries 16 --k 4 --policies none,prefix,naive,sparsex \\
+        --out runs/rag_cold --plot-dir runs/rag_cold/img --threads 1
     sparsex bench workload --workload rag --stream --queries 500 --k 2 --out runs/stream
 
-(also `python -m sparsex.bench.workload_bench ...`). Policies: `sparsex.bench.policies`.
+(also `python -m sparsex.bench.workload_bench ...`). Policies: `sparsex.bench.policies`. The rag
+defaults are the headline configuration of docs/benchmarks.md (96 queries of k = 8 passages, the
+corpus ingested first in three passes, float32, a pool of at most `MAX_AUTO_BLOCKS` blocks), so the
+first command above reproduces it.
+
+Modules: `workload_config` (options), `workload_prompts` (requests as token ids, corpus ingestion),
+`engine_cache` (engines per cache mode and role), `replay` (per-request records), `flop_model`
+(prefill work), `answer_scoring` (RAG F1/EM), `policy_summary` (per-policy summaries, intervals),
+`report` (tables and files), `plots`, `stream` (`--stream`), `peer` (`--peer vllm`).
 
 **Replay.** Each policy gets its own engine(s) on the same model; the workload's requests go
 through in arrival order, one at a time, each run to completion before the next arrives, so the
@@ -22,8 +31,8 @@ prompt + that continuation and its distributions are compared position by positi
 agreement, KL(full || policy), greedy match length). Summaries average over positions, so a request
 that stopped early weighs less; every record keeps its per-position KL and miss positions, from
 which any shorter horizon can be recomputed. `--fidelity-past-eos` scores a fixed-length
-continuation past EOS (template tokens no user sees, nearly always agreed on), as every run before
-the sixteenth session did.
+continuation past EOS (template tokens no user sees, nearly always agreed on: they dilute the
+misses).
 *Why a twin engine:* the teacher-forced run is itself a request that would change the caches (its
 new segments get indexed, its exact blocks prefix-cached), so running it next to the timed request
 on one engine would hand the timed request (or the next one) hits it would not have had. Each policy
@@ -58,8 +67,8 @@ from sparsex.bench.policy_summary import PolicySummary, compare_to_default, summ
 from sparsex.bench.replay import replay_policy, replay_reference
 from sparsex.bench.report import environment, fidelity_markdown, loadavg, summary_markdown, write_outputs
 from sparsex.bench.stream import run_stream, stream_markdown
-from sparsex.bench.workload_config import (DEFAULT_MODEL, EVICTIONS, WORKLOADS, StreamConfig, WorkloadBenchConfig,
-                                           WorkloadParams)
+from sparsex.bench.workload_config import (DEFAULT_MODEL, EVICTIONS, MAX_AUTO_BLOCKS, WORKLOADS, StreamConfig,
+                                           WorkloadBenchConfig, WorkloadParams)
 from sparsex.bench.workload_prompts import (build_workload, ingest_corpus, ingestion_preamble, pool_blocks,
                                             tokenized_workload)
 
@@ -99,7 +108,7 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
         engines.release("none")
 
     whole = pool_blocks(prompts + w.warm_prompts + w.rewarm_prompts, extra, bs, whole=True)
-    num_blocks = cfg.num_blocks or min(whole, _MAX_AUTO_BLOCKS)
+    num_blocks = cfg.num_blocks or min(whole, MAX_AUTO_BLOCKS)
     if num_blocks < whole:
         # then cached blocks get evicted, and the twin (which holds a few more blocks per request)
         # may evict different ones: its counters can then differ (`twin_match`)
@@ -141,8 +150,6 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
     return summaries
 
 
-_MAX_AUTO_BLOCKS = 2048       # 1.5 GB of fp32 KV for SmolLM2-135M per engine; larger: pass num_blocks
-
 
 
 # ============================================================================ CLI
@@ -155,6 +162,13 @@ def _int_pair(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" unless the help text already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if "default" in (action.help or "") else super()._get_help_string(action)
+
+
 def add_workload_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `workload` under `sparsex bench`; the handler is `run_workload_bench_cli`."""
     p = subparsers.add_parser(
@@ -162,7 +176,7 @@ def add_workload_bench_parser(subparsers: argparse._SubParsersAction) -> argpars
         description="Replay a workload under each cache policy (sequential, caches warming up): TTFT, prefix/"
                     "segment hit rates, prefill FLOPs, fidelity vs full prefill (teacher forced), RAG F1/EM. "
                     "--stream: segment hit rate over a long RAG stream on a small KV pool, lru vs frequency.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     p.add_argument("--workload", default="rag", help=f"one of {', '.join(WORKLOADS)}")
     p.add_argument("--policies", default=WorkloadBenchConfig.policies,
                    help="comma-separated: none, prefix, naive, epic16, epic32, cacheblend, sparsex, "
@@ -173,7 +187,8 @@ def add_workload_bench_parser(subparsers: argparse._SubParsersAction) -> argpars
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--device", default="cpu", help="cpu | cuda: where the engines run (rag/chat/agent replays)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (on a busy shared CPU, 1 is often much faster)")
+                   help="torch intra-op threads (default: torch's, one per core; on a busy shared CPU, 1 is "
+                        "often much faster)")
     p.add_argument("--out", default="workload_bench_out", help="directory for JSON/CSV/markdown")
     p.add_argument("--plot-dir", default=None,
                    help="directory for PNG plots; none without it (matplotlib: pip install sparsex[bench])")
@@ -182,21 +197,23 @@ def add_workload_bench_parser(subparsers: argparse._SubParsersAction) -> argpars
     g.add_argument("--fidelity-tokens", type=int, default=WorkloadBenchConfig.fidelity_tokens,
                    help="teacher-forced continuation: the reference's greedy tokens through its EOS, at most this many")
     g.add_argument("--fidelity-past-eos", action="store_true",
-                   help="score the continuation past the reference's EOS too (fixed length; runs before the "
-                        "sixteenth session measured this)")
+                   help="score a fixed-length continuation past the reference's EOS too (template tokens no "
+                        "user sees, nearly always agreed on)")
     g.add_argument("--fidelity-every", type=int, default=1, help="fidelity on every Nth request (0: none)")
     g.add_argument("--answer-tokens", type=int, default=32, help="rag: greedy answer cap (EOS stops earlier)")
-    g.add_argument("--num-blocks", type=int, default=None, help="KV pool per engine (default: workload fits)")
+    g.add_argument("--num-blocks", type=int, default=None,
+                   help=f"KV pool per engine (default: the whole workload, at most {MAX_AUTO_BLOCKS} blocks)")
     g.add_argument("--prewarm-passes", type=int, default=WorkloadBenchConfig.prewarm_passes,
-                   help="rag --prewarm: ingest the corpus this many times (later passes in other orders, computed "
+                   help="rag prewarm: ingest the corpus this many times (later passes in other orders, computed "
                         "exactly): the engine merges each passage's encodings (ReuseConfig.merge_encodings)")
-    g.add_argument("--prewarm", action="store_true",
-                   help="rag: ingest every passage once, k to a prompt after a preamble passage (untimed), before "
-                        "each policy's replay: the steady state")
+    g.add_argument("--prewarm", action=argparse.BooleanOptionalAction, default=None,
+                   help="rag: ingest every passage, k to a prompt after a preamble passage (untimed), before "
+                        "each policy's replay: the steady state (default: on for rag; --no-prewarm: cold caches)")
     g = p.add_argument_group("workload size")
     d = WorkloadParams()
     g.add_argument("--queries", type=int, default=None,
-                   help=f"rag queries (default {d.queries}; with --stream {StreamConfig.queries})")
+                   help=f"rag queries (default {d.queries}, with --k {d.k}, prewarm and float32: the rag headline "
+                        f"of docs/benchmarks.md; with --stream {StreamConfig.queries})")
     g.add_argument("--k", type=int, default=None, help=f"rag passages per query (default {d.k}; stream {StreamConfig.k})")
     g.add_argument("--num-passages", type=int, default=None,
                    help=f"rag corpus (default {d.num_passages}; stream {StreamConfig.num_passages})")

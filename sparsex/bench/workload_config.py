@@ -7,15 +7,22 @@ from typing import Any
 WORKLOADS = ("rag", "chat", "agent")
 EVICTIONS = ("lru", "frequency")
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# KV pool per engine when --num-blocks is not given and the whole workload would need more: 7.4 GB of
+# fp32 KV for SmolLM2-135M (timed engine + fidelity twin: 15 GB), the pool of the rag headline in
+# docs/benchmarks.md (whose workload would occupy 27,758 blocks: the prefix cache evicts, no segment
+# entry does)
+MAX_AUTO_BLOCKS = 10000
 
-
-# ============================================================================ configuration
 
 @dataclass
 class WorkloadParams:
-    """Size of the generated workload (`sparsex.bench.workloads`); only the chosen kind's fields apply."""
-    queries: int = 16                    # rag
-    k: int = 4                           # rag: passages per query
+    """Size of the generated workload (`sparsex.bench.workloads`); only the chosen kind's fields apply.
+
+    The rag defaults are the headline configuration of docs/benchmarks.md (96 queries of 8 passages;
+    with `WorkloadBenchConfig`'s defaults: prewarm with 3 passes, float32); chat and agent default to
+    small runs (4 users x 4 turns; 4 agent sessions) that show their reuse patterns in minutes."""
+    queries: int = 96                    # rag
+    k: int = 8                           # rag: passages per query
     num_passages: int = 60               # rag: corpus size (Zipf popularity over it)
     passage_tokens: tuple[int, int] = (300, 500)   # rag: passage length bounds
     users: int = 4                       # chat
@@ -41,26 +48,30 @@ class WorkloadBenchConfig:
     params: WorkloadParams = field(default_factory=WorkloadParams)
     # teacher-forced continuation: the reference's greedy tokens up to its EOS (included: stopping is a
     # decision too), at most this many. A served request ends at EOS, so what follows it is never seen:
-    # `fidelity_past_eos` scores those positions too (template tokens, nearly always agreed on), which
-    # is what every run before the sixteenth session measured
+    # `fidelity_past_eos` scores those positions too (template tokens, nearly always agreed on: they
+    # dilute the misses)
     fidelity_tokens: int = 32
     fidelity_past_eos: bool = False
     fidelity_every: int = 1              # fidelity on requests 0, N, 2N, ...; 0 = no fidelity
     answer_tokens: int = 32              # rag: greedy answer length cap (EOS stops it earlier)
-    num_blocks: int | None = None        # KV pool per engine; default: the whole workload fits
+    num_blocks: int | None = None        # KV pool per engine; default: the whole workload, at most MAX_AUTO_BLOCKS
     # rag: before each policy's replay, prefill every passage the workload uses once (after the system
-    # head), untimed, as a service that ingests its corpus ahead of queries: the steady state
-    prewarm: bool = False
-    # rag --prewarm: ingest the corpus this many times, each pass after the first in another random
+    # head), untimed, as a service that ingests its corpus ahead of queries: the steady state.
+    # None: on for rag, off for chat and agent (which have no corpus to ingest)
+    prewarm: bool | None = None
+    # rag prewarm: ingest the corpus this many times, each pass after the first in another random
     # grouping and order, sent with reuse blend=False so the engine merges each passage's encodings
-    # (ReuseConfig.merge_encodings): docs/benchmarks.md, "nineteenth session"
+    # (ReuseConfig.merge_encodings; docs/benchmarks.md: one, two and three encodings per passage)
     prewarm_passes: int = 3
     out: str = "workload_bench_out"
     plot_dir: str | None = None          # PNG plots here (matplotlib); None: no plots
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        if self.prewarm is None:
+            self.prewarm = self.workload == "rag"
+
     def verify(self) -> None:
-        _verify_plot_dir(self.plot_dir)
         if self.workload not in WORKLOADS:
             raise ValueError(f"unknown workload {self.workload!r}; choose one of {WORKLOADS}")
         from sparsex.config import verify_device
@@ -83,6 +94,7 @@ class WorkloadBenchConfig:
             raise ValueError(f"passage_tokens must be MIN:MAX with 1 <= MIN <= MAX, got {lo}:{hi}")
         if not p.zipf_a >= 0:
             raise ValueError(f"zipf_a must be >= 0, got {p.zipf_a!r}")
+        _verify_plot_dir(self.plot_dir)
 
 
 @dataclass
@@ -104,7 +116,6 @@ class StreamConfig:
     progress: bool = True
 
     def verify(self) -> None:
-        _verify_plot_dir(self.plot_dir)
         for name in ("queries", "k", "num_passages", "window", "max_tokens"):
             _positive(name, getattr(self, name))
         if not 0 < self.kv_fraction <= 1:
@@ -116,6 +127,7 @@ class StreamConfig:
         lo, hi = self.passage_tokens
         if not 1 <= lo <= hi:
             raise ValueError(f"passage_tokens must be MIN:MAX with 1 <= MIN <= MAX, got {lo}:{hi}")
+        _verify_plot_dir(self.plot_dir)
 
 
 def _verify_plot_dir(plot_dir: str | None) -> None:
