@@ -9,10 +9,10 @@ import pytest
 
 from sparsex.bench import stats
 from sparsex.bench.flop_model import FlopModel
+from sparsex.bench.policies import parse_policies
 from sparsex.bench.policy_summary import compare_to_default, summarize
 from sparsex.bench.replay import RequestRecord, _through_eos
 from sparsex.bench.report import fidelity_markdown
-from sparsex.bench.policies import parse_policies
 
 
 def test_constant_sample_has_a_point_interval() -> None:
@@ -73,10 +73,10 @@ def test_paired_samples_must_match() -> None:
 
 def _record(policy: str, index: int, kl: float, top1: float) -> RequestRecord:
     return RequestRecord(workload="rag", policy=policy, index=index, request_id=f"rag-{index}",
-                            prompt_tokens=100, cached_tokens=0, reused_tokens=0, recomputed_tokens=0,
-                            computed_tokens=100, token_layers=3000.0, prefill_gflops=1.0, ttft_s=0.1,
-                            selection_ms=0.0, segment_lookup_tokens=0, segment_hit_tokens=0, fidelity=True,
-                            top1=top1, kl=kl, match_len=4)
+                         prompt_tokens=100, cached_tokens=0, reused_tokens=0, recomputed_tokens=0,
+                         computed_tokens=100, token_layers=3000.0, prefill_gflops=1.0, ttft_s=0.1,
+                         selection_ms=0.0, segment_lookup_tokens=0, segment_hit_tokens=0, fidelity=True,
+                         top1=top1, kl=kl, match_len=4)
 
 
 def test_summary_compares_every_policy_to_the_default_on_the_same_requests() -> None:
@@ -85,7 +85,7 @@ def test_summary_compares_every_policy_to_the_default_on_the_same_requests() -> 
     recs += [_record("cacheblend", i, kl + 0.004, 0.8) for i, kl in enumerate(kl_default)]
     recs += [_record("naive", 0, 0.05, 0.5)]                # one fidelity request: no interval
     fm = FlopModel(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
-                      vocab=49152)
+                   vocab=49152)
     summaries = [summarize("rag", p, [r for r in recs if r.policy == p.name], fm)
                  for p in parse_policies("sparsex,cacheblend,naive")]
     compare_to_default(summaries, recs)
@@ -110,7 +110,7 @@ def test_answer_f1_is_compared_to_full_prefill_on_the_same_requests() -> None:
     recs += [dataclasses.replace(_record("cacheblend", i, 0.02, 0.9), f1=f + (0.1 if i == 0 else 0.0), em=0.0)
              for i, f in enumerate(f1_none)]
     fm = FlopModel(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
-                      vocab=49152)
+                   vocab=49152)
     policies = parse_policies("none,sparsex,cacheblend")
     summaries = [summarize("rag", p, [r for r in recs if r.policy == p.name], fm) for p in policies]
     compare_to_default(summaries, recs)
@@ -165,7 +165,7 @@ def test_summary_counts_top1_misses_and_near_ties() -> None:
     for r, margins in zip(recs, ([0.02, 0.5], [], [0.09])):
         r.miss_margins = margins
     fm = FlopModel(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
-                      vocab=49152)
+                   vocab=49152)
     s = summarize("rag", parse_policies("sparsex")[0], recs, fm)
     assert (s.top1_misses, s.near_tie_misses) == (3, 2)
     assert "| 3 (2) |" in fidelity_markdown([s])
@@ -195,7 +195,7 @@ def test_summary_weighs_requests_by_their_teacher_forced_positions() -> None:
     short.position_kl, short.miss_positions = [0.06, 0.02], [1]
     long_.position_kl, long_.miss_positions = [0.01] * 10, []
     fm = FlopModel(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
-                      vocab=49152)
+                   vocab=49152)
     s = summarize("rag", parse_policies("sparsex")[0], [short, long_], fm)
     assert s.top1 == pytest.approx(11 / 12)
     assert s.kl == pytest.approx((0.06 + 0.02 + 0.1) / 12)

@@ -247,28 +247,21 @@ def _pick(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def run_workload_bench_cli(args: argparse.Namespace) -> int:
-    if args.peer is not None and args.peer != "vllm":
-        raise ValueError(f"--peer: only 'vllm' is known, got {args.peer!r}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        import torch
-        torch.set_num_threads(args.threads)
+def config_from_args(args: argparse.Namespace) -> WorkloadBenchConfig | StreamConfig:
+    """The run the command line asks for: a `StreamConfig` with --stream, else a `WorkloadBenchConfig`
+    (size flags left out take the chosen kind's defaults)."""
     if args.stream:
         if args.workload != "rag":
             raise ValueError(f"--stream replays the rag workload; got --workload {args.workload!r}")
         if args.device != "cpu":
             raise ValueError(f"--stream runs on the CPU only; got --device {args.device!r}")
-        cfg = StreamConfig(model=args.model, dtype=args.dtype, queries=_pick(args.queries, StreamConfig.queries),
-                           k=_pick(args.k, StreamConfig.k), num_passages=_pick(args.num_passages, StreamConfig.num_passages),
-                           passage_tokens=_pick(args.passage_tokens, StreamConfig.passage_tokens), zipf_a=args.zipf_a,
-                           seed=args.seed, kv_fraction=args.kv_fraction, window=args.window,
-                           evictions=tuple(e.strip() for e in args.evictions.split(",") if e.strip()),
-                           max_tokens=args.max_tokens, out=args.out, plot_dir=args.plot_dir,
-                           progress=not args.no_progress)
-        print(stream_markdown(run_stream(cfg), cfg))
-        return 0
+        return StreamConfig(model=args.model, dtype=args.dtype, queries=_pick(args.queries, StreamConfig.queries),
+                            k=_pick(args.k, StreamConfig.k), num_passages=_pick(args.num_passages, StreamConfig.num_passages),
+                            passage_tokens=_pick(args.passage_tokens, StreamConfig.passage_tokens), zipf_a=args.zipf_a,
+                            seed=args.seed, kv_fraction=args.kv_fraction, window=args.window,
+                            evictions=tuple(e.strip() for e in args.evictions.split(",") if e.strip()),
+                            max_tokens=args.max_tokens, out=args.out, plot_dir=args.plot_dir,
+                            progress=not args.no_progress)
     d = WorkloadParams()
     params = WorkloadParams(
         queries=_pick(args.queries, d.queries), k=_pick(args.k, d.k), num_passages=_pick(args.num_passages, d.num_passages),
@@ -276,12 +269,27 @@ def run_workload_bench_cli(args: argparse.Namespace) -> int:
         context_budget=args.context_budget, num_topics=args.num_topics, sessions=args.sessions,
         results_per_call=args.results_per_call, num_docs=args.num_docs,
         tool_apis=tuple(a.strip() for a in args.tool_apis.split(",") if a.strip()), zipf_a=args.zipf_a, seed=args.seed)
-    cfg = WorkloadBenchConfig(workload=args.workload, policies=args.policies, sweep=args.sweep, model=args.model,
-                              dtype=args.dtype, device=args.device, params=params, fidelity_tokens=args.fidelity_tokens,
-                              fidelity_past_eos=args.fidelity_past_eos,
-                              fidelity_every=args.fidelity_every, answer_tokens=args.answer_tokens,
-                              num_blocks=args.num_blocks, prewarm=args.prewarm, prewarm_passes=args.prewarm_passes, out=args.out,
-                              plot_dir=args.plot_dir, progress=not args.no_progress)
+    return WorkloadBenchConfig(workload=args.workload, policies=args.policies, sweep=args.sweep, model=args.model,
+                               dtype=args.dtype, device=args.device, params=params,
+                               fidelity_tokens=args.fidelity_tokens, fidelity_past_eos=args.fidelity_past_eos,
+                               fidelity_every=args.fidelity_every, answer_tokens=args.answer_tokens,
+                               num_blocks=args.num_blocks, prewarm=args.prewarm, prewarm_passes=args.prewarm_passes,
+                               out=args.out, plot_dir=args.plot_dir, progress=not args.no_progress)
+
+
+def run_workload_bench_cli(args: argparse.Namespace) -> int:
+    if args.peer is not None and args.peer != "vllm":
+        raise ValueError(f"--peer: only 'vllm' is known, got {args.peer!r}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    cfg = config_from_args(args)
+    cfg.verify()                     # before torch's threads are set or anything loads
+    if args.threads is not None:
+        import torch
+        torch.set_num_threads(args.threads)
+    if isinstance(cfg, StreamConfig):
+        print(stream_markdown(run_stream(cfg), cfg))
+        return 0
     if args.peer is not None:
         return run_peer(cfg, args.peer_python)
     summaries = run_workload_bench(cfg)
