@@ -294,8 +294,6 @@ def test_stream_end_to_end(tmp_path) -> None:
     for s in summaries:
         rs = [r for r in rows if r["eviction"] == s.eviction]
         assert s.num_requests == len(rs) == 6
-        # a pool holding the whole corpus evicts nothing: a passage's second use is a hit
-        assert s.entries_evicted == 0 and s.segment_lookup_hit_rate > 0
         assert s.segment_lookup_hit_rate == pytest.approx(rate(rs))
         assert s.window_hit_rates == pytest.approx([rate(rs[:3]), rate(rs[3:])])
         assert s.segment_lookup_hit_rate_2nd_half == pytest.approx(rate(rs[3:]))
