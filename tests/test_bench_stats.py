@@ -169,7 +169,7 @@ def test_summary_counts_top1_misses_and_near_ties() -> None:
     s = summarize("rag", parse_policies("sparsex")[0], recs, fm)
     assert (s.top1_misses, s.near_tie_misses) == (3, 2)
     assert "| 3 (2) |" in fidelity_markdown([s])
-    recs[1].miss_margins = None                      # a record from before the margins were kept
+    recs[1].miss_margins = None                      # a record without margins
     s = summarize("rag", parse_policies("sparsex")[0], recs, fm)
     assert s.top1_misses is None and "| — |" in fidelity_markdown([s])
 

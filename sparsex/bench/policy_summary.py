@@ -105,8 +105,8 @@ NEAR_TIE = 0.1      # a reference margin p(top-1) - p(second) below this makes a
 
 def _positions(fr: list[RequestRecord]) -> list[int]:
     """Teacher-forced positions of each fidelity record: the summary's top-1 and KL are means over
-    positions, so a request whose reference stopped early weighs less (1 each for a record from
-    before positions were kept)."""
+    positions, so a request whose reference stopped early weighs less (1 each for a record without
+    per-position KL)."""
     return [len(r.position_kl) if r.position_kl else 1 for r in fr]
 
 
@@ -123,8 +123,8 @@ def _fidelity_intervals(fr: list[RequestRecord]) -> dict:
 
 
 def _top1_misses(fr: list[RequestRecord]) -> dict:
-    """Top-1 disagreements over the fidelity requests and how many were near-ties (none: a record
-    without margins, e.g. from before they were kept)."""
+    """Top-1 disagreements over the fidelity requests and how many were near-ties (none when a
+    record has no margins)."""
     if not fr or any(r.miss_margins is None for r in fr):
         return {}
     margins = [m for r in fr for m in r.miss_margins]
