@@ -19,15 +19,13 @@ if TYPE_CHECKING:
     from sparsex.bench.policies import Policy
     from sparsex.bench.stream import StreamSummary
 
-PLOT_EXTRA_HINT = "plots need matplotlib: pip install sparsex[bench]"
-
 Series = tuple[list[float], list[float]]      # (x values, y values) of one plotted line
 
 
 def require_matplotlib() -> None:
     """Fail before any work when plots are asked for and matplotlib is missing."""
     if importlib.util.find_spec("matplotlib") is None:
-        raise ValueError(f"a plot was asked for but matplotlib is not installed; {PLOT_EXTRA_HINT}")
+        raise ValueError("plots need matplotlib, which is not installed: pip install sparsex[bench]")
 
 
 def pyplot() -> Any:
