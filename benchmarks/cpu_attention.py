@@ -2,13 +2,12 @@
 the native flash-style kernel is not preferred (AVX2 CPUs).
 
 Rows:
-  fresh prefill of n tokens (causal SDPA now), an extend of n / 8 rows after a cached prefix
+  fresh prefill of n tokens (causal SDPA), an extend of n / 8 rows after a cached prefix
   (prefix hit, chunked prefill), an extend of n - 32 rows after 32 cached (a blend's full layers
   after an exact hit on the system prompt) and n / 7 sparse rows over n keys (SparseX's sparse
-  layers); the extends and sparse rows run masked SDPA over gathered keys now, 256 rows a call
-  (eighteenth session); each against the GEMM row chunks in the model
-  dtype (what ran before the seventeenth session) and in float32 (for bf16: what a CPU without
-  native bf16 ran in the seventeenth session).
+  layers); the extends and sparse rows run masked SDPA over gathered keys, 256 rows a call. Each
+  against the backend's GEMM row-chunk path (`sdpa=False`) in the model dtype and in float32 (for
+  bf16: the dtype a CPU without native bf16 computes in).
 Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64); K/V/Q are random, which does not
 change the cost. Prints a markdown table of median ms per layer.
 
@@ -63,7 +62,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
           f"{torch.get_num_threads()} threads")
-    print("| dtype | rows | keys | GEMM chunks, model dtype (ms) | GEMM chunks, float32 (ms) | now (ms) | now runs |")
+    print("| dtype | rows | keys | GEMM chunks, model dtype (ms) | GEMM chunks, float32 (ms) | backend (ms) | backend runs |")
     print("|---|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
@@ -77,14 +76,14 @@ def main() -> None:
                 query = torch.randn(rows.numel(), H, D, generator=g).to(dtype)
                 run = lambda gemm_dtype, sdpa: _time_layer(query, k_cache, v_cache, rows, n, gemm_dtype, sdpa,
                                                            args.repeats)
-                before = run(dtype, False)
+                chunks = run(dtype, False)
                 in_f32 = f"{run(torch.float32, False):.1f}" if dtype != torch.float32 else "-"
-                now = run(compute, True)
+                backend = run(compute, True)
                 how = "causal SDPA" if kind == "fresh prefill" else "masked SDPA"
                 if kind != "fresh prefill" and compute != dtype:
                     how += " in float32"
-                print(f"| {str(dtype).removeprefix('torch.')} | {kind} ({rows.numel()}) | {n} | {before:.1f} | "
-                      f"{in_f32} | {now:.1f} | {how} |", flush=True)
+                print(f"| {str(dtype).removeprefix('torch.')} | {kind} ({rows.numel()}) | {n} | {chunks:.1f} | "
+                      f"{in_f32} | {backend:.1f} | {how} |", flush=True)
 
 if __name__ == "__main__":
     main()

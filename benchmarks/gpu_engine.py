@@ -47,7 +47,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from sparsex import LLM, SamplingParams  # noqa: E402
 from sparsex.bench.policies import parse_knob  # noqa: E402
-from sparsex.bench.workload_bench import FlopModel  # noqa: E402
+from sparsex.bench.flop_model import FlopModel  # noqa: E402
 from sparsex.engine.forward_context import ForwardContext  # noqa: E402
 from sparsex.layers.attention_metadata import AttentionMetadata  # noqa: E402
 from sparsex.models import loader  # noqa: E402

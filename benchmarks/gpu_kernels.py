@@ -377,7 +377,7 @@ def kernel_report() -> None:
 
 
 def print_table(tbps: float, tflops: float) -> None:
-    print(f"\nNVIDIA H200 (lent): {torch.cuda.get_device_name()}, "
+    print(f"\nGPU: {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}, triton {triton.__version__}")
     print(f"measured ceilings: copy {tbps:.2f} TB/s, bf16 matmul {tflops:.0f} TFLOP/s")
     print(f"shape: {H} heads, {HKV} kv heads, head_dim {D}, bf16, KV block size {BS}\n")

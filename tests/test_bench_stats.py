@@ -8,8 +8,11 @@ import numpy as np
 import pytest
 
 from sparsex.bench import stats
-from sparsex.bench import workload_bench as wb
+from sparsex.bench.flop_model import FlopModel
 from sparsex.bench.policies import parse_policies
+from sparsex.bench.policy_summary import compare_to_default, summarize
+from sparsex.bench.replay import RequestRecord, _through_eos
+from sparsex.bench.report import fidelity_markdown
 
 
 def test_constant_sample_has_a_point_interval() -> None:
@@ -68,12 +71,12 @@ def test_paired_samples_must_match() -> None:
         stats.paired_difference([0.1, 0.2], [0.1])
 
 
-def _record(policy: str, index: int, kl: float, top1: float) -> wb.RequestRecord:
-    return wb.RequestRecord(workload="rag", policy=policy, index=index, request_id=f"rag-{index}",
-                            prompt_tokens=100, cached_tokens=0, reused_tokens=0, recomputed_tokens=0,
-                            computed_tokens=100, token_layers=3000.0, prefill_gflops=1.0, ttft_s=0.1,
-                            selection_ms=0.0, segment_lookup_tokens=0, segment_hit_tokens=0, fidelity=True,
-                            top1=top1, kl=kl, match_len=4)
+def _record(policy: str, index: int, kl: float, top1: float) -> RequestRecord:
+    return RequestRecord(workload="rag", policy=policy, index=index, request_id=f"rag-{index}",
+                         prompt_tokens=100, cached_tokens=0, reused_tokens=0, recomputed_tokens=0,
+                         computed_tokens=100, token_layers=3000.0, prefill_gflops=1.0, ttft_s=0.1,
+                         selection_ms=0.0, segment_lookup_tokens=0, segment_hit_tokens=0, fidelity=True,
+                         top1=top1, kl=kl, match_len=4)
 
 
 def test_summary_compares_every_policy_to_the_default_on_the_same_requests() -> None:
@@ -81,11 +84,11 @@ def test_summary_compares_every_policy_to_the_default_on_the_same_requests() -> 
     recs = [_record("sparsex", i, kl, 0.9) for i, kl in enumerate(kl_default)]
     recs += [_record("cacheblend", i, kl + 0.004, 0.8) for i, kl in enumerate(kl_default)]
     recs += [_record("naive", 0, 0.05, 0.5)]                # one fidelity request: no interval
-    fm = wb.FlopModel(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
-                      vocab=49152)
-    summaries = [wb.summarize("rag", p, [r for r in recs if r.policy == p.name], fm)
+    fm = FlopModel(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
+                   vocab=49152)
+    summaries = [summarize("rag", p, [r for r in recs if r.policy == p.name], fm)
                  for p in parse_policies("sparsex,cacheblend,naive")]
-    wb.compare_to_default(summaries, recs)
+    compare_to_default(summaries, recs)
     by = {s.policy: s for s in summaries}
     cb = by["cacheblend"]
     assert cb.kl_minus_sparsex == pytest.approx(0.004)
@@ -93,7 +96,7 @@ def test_summary_compares_every_policy_to_the_default_on_the_same_requests() -> 
     assert by["sparsex"].kl_minus_sparsex is None and by["naive"].kl_minus_sparsex is None
     assert by["sparsex"].kl_low < by["sparsex"].kl < by["sparsex"].kl_high
     assert by["naive"].kl_low is None
-    table = wb.fidelity_markdown(summaries)
+    table = fidelity_markdown(summaries)
     assert "| cacheblend | 5 |" in table and "+0.0040 [+0.0040, +0.0040]" in table
     assert "| naive |" not in table
 
@@ -106,11 +109,11 @@ def test_answer_f1_is_compared_to_full_prefill_on_the_same_requests() -> None:
     recs += [dataclasses.replace(_record("sparsex", i, 0.01, 0.9), f1=f - 0.05, em=0.0) for i, f in enumerate(f1_none)]
     recs += [dataclasses.replace(_record("cacheblend", i, 0.02, 0.9), f1=f + (0.1 if i == 0 else 0.0), em=0.0)
              for i, f in enumerate(f1_none)]
-    fm = wb.FlopModel(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
-                      vocab=49152)
+    fm = FlopModel(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
+                   vocab=49152)
     policies = parse_policies("none,sparsex,cacheblend")
-    summaries = [wb.summarize("rag", p, [r for r in recs if r.policy == p.name], fm) for p in policies]
-    wb.compare_to_default(summaries, recs)
+    summaries = [summarize("rag", p, [r for r in recs if r.policy == p.name], fm) for p in policies]
+    compare_to_default(summaries, recs)
     by = {s.policy: s for s in summaries}
     assert by["none"].f1_minus_none is None
     assert by["sparsex"].f1_minus_none == pytest.approx(-0.05)
@@ -118,13 +121,13 @@ def test_answer_f1_is_compared_to_full_prefill_on_the_same_requests() -> None:
     assert by["cacheblend"].f1_minus_none == pytest.approx(0.025)
     assert by["cacheblend"].f1_minus_none_low == pytest.approx(0.0)     # 3 of 4 differences are 0
     assert 0.025 < by["cacheblend"].f1_minus_none_high <= 0.1
-    table = wb.fidelity_markdown(summaries)
+    table = fidelity_markdown(summaries)
     assert "answer F1 − none, paired [95% CI]" in table and "-0.050 [-0.050, -0.050]" in table
     no_ref = [s for s in summaries if s.policy != "none"]
     for s in no_ref:
         s.f1_minus_none = None
-    assert "answer F1" not in wb.fidelity_markdown(no_ref)
-    wb.compare_to_default(no_ref, [r for r in recs if r.policy != "none"])
+    assert "answer F1" not in fidelity_markdown(no_ref)
+    compare_to_default(no_ref, [r for r in recs if r.policy != "none"])
     assert all(s.f1_minus_none is None for s in no_ref)
 
 
@@ -161,14 +164,14 @@ def test_summary_counts_top1_misses_and_near_ties() -> None:
     recs = [_record("sparsex", i, 0.01, 0.9) for i in range(3)]
     for r, margins in zip(recs, ([0.02, 0.5], [], [0.09])):
         r.miss_margins = margins
-    fm = wb.FlopModel(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
-                      vocab=49152)
-    s = wb.summarize("rag", parse_policies("sparsex")[0], recs, fm)
+    fm = FlopModel(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
+                   vocab=49152)
+    s = summarize("rag", parse_policies("sparsex")[0], recs, fm)
     assert (s.top1_misses, s.near_tie_misses) == (3, 2)
-    assert "| 3 (2) |" in wb.fidelity_markdown([s])
-    recs[1].miss_margins = None                      # a record from before the margins were kept
-    s = wb.summarize("rag", parse_policies("sparsex")[0], recs, fm)
-    assert s.top1_misses is None and "| — |" in wb.fidelity_markdown([s])
+    assert "| 3 (2) |" in fidelity_markdown([s])
+    recs[1].miss_margins = None                      # a record without margins
+    s = summarize("rag", parse_policies("sparsex")[0], recs, fm)
+    assert s.top1_misses is None and "| — |" in fidelity_markdown([s])
 
 
 def test_weighted_mean_and_its_interval() -> None:
@@ -191,14 +194,14 @@ def test_summary_weighs_requests_by_their_teacher_forced_positions() -> None:
     short, long_ = _record("sparsex", 0, 0.04, 0.5), _record("sparsex", 1, 0.01, 1.0)
     short.position_kl, short.miss_positions = [0.06, 0.02], [1]
     long_.position_kl, long_.miss_positions = [0.01] * 10, []
-    fm = wb.FlopModel(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
-                      vocab=49152)
-    s = wb.summarize("rag", parse_policies("sparsex")[0], [short, long_], fm)
+    fm = FlopModel(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
+                   vocab=49152)
+    s = summarize("rag", parse_policies("sparsex")[0], [short, long_], fm)
     assert s.top1 == pytest.approx(11 / 12)
     assert s.kl == pytest.approx((0.06 + 0.02 + 0.1) / 12)
 
 
 def test_reference_stops_at_eos_unless_asked_past_it() -> None:
-    assert wb._through_eos([5, 7, 2, 9, 2], (2,)) == [5, 7, 2]
-    assert wb._through_eos([5, 7], (2,)) == [5, 7]
-    assert wb._through_eos([], (2,)) == []
+    assert _through_eos([5, 7, 2, 9, 2], (2,)) == [5, 7, 2]
+    assert _through_eos([5, 7], (2,)) == [5, 7]
+    assert _through_eos([], (2,)) == []

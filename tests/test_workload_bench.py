@@ -1,7 +1,9 @@
-"""`sparsex bench workload`: end-to-end runs on the real model at tiny sizes (outputs written, each
-policy's counters as its definition says), the stream run, and bad arguments."""
+"""`sparsex bench workload`: end-to-end runs on the real model at tiny sizes (each policy's counters
+as its definition says; the summaries, tables and plots hold the records' numbers), the stream run,
+the defaults, and bad arguments."""
 from __future__ import annotations
 
+import argparse
 import csv
 import importlib.util
 import json
@@ -14,7 +16,17 @@ import pytest
 import torch
 
 from sparsex.bench import workload_bench as wb
+from sparsex.bench.answer_scoring import exact_match, token_f1
+from sparsex.bench.engine_cache import EngineCache
+from sparsex.bench.flop_model import FlopModel
+from sparsex.bench.plots import plot_pareto, plot_stream, plot_ttft_cdf, require_matplotlib
 from sparsex.bench.policies import NAMED_POLICIES, SWEEP_FULL_LAYERS, SWEEP_RATIOS, parse_policies, sweep_policies
+from sparsex.bench.policy_summary import PolicySummary
+from sparsex.bench.replay import RequestRecord, compute_reference
+from sparsex.bench.stream import run_stream
+from sparsex.bench.workload_bench import run_workload_bench
+from sparsex.bench.workload_config import MAX_AUTO_BLOCKS, StreamConfig, WorkloadBenchConfig, WorkloadParams
+from sparsex.bench.workload_prompts import build_workload, ingestion_preamble, tokenized_workload
 from sparsex.models import packaged_gguf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,26 +54,27 @@ def one_thread():
 @pytest.fixture(scope="module")
 def engines():
     """One set of engines for every run of this module (each policy still starts from empty caches)."""
-    cache = wb.EngineCache("smollm2-135m-instruct", "float32")
+    cache = EngineCache("smollm2-135m-instruct", "float32")
     yield cache
     cache.release()
 
 
-def _run(tmp_path: Path, engines, workload: str, policies: str = POLICIES,
-         **params) -> tuple[list[wb.PolicySummary], list[dict]]:
-    cfg = wb.WorkloadBenchConfig(workload=workload, policies=policies, params=wb.WorkloadParams(**params),
-                                 out=str(tmp_path / workload), **TINY)
-    summaries = wb.run_workload_bench(cfg, engines)
+def _run(tmp_path: Path, engines, workload: str, policies: str = POLICIES, plot_dir: str | None = None,
+         **params) -> tuple[list[PolicySummary], list[dict], dict]:
+    """One run without prewarm (the replay's own cache warm-up); its summaries, the records of
+    requests.json and summary.json, after checking that the files agree with the returned summaries."""
+    cfg = WorkloadBenchConfig(workload=workload, policies=policies, params=WorkloadParams(**params),
+                              prewarm=False, out=str(tmp_path / workload), plot_dir=plot_dir, **TINY)
+    summaries = run_workload_bench(cfg, engines)
     out = tmp_path / workload
-    for name in ("requests.json", "requests.csv", "summary.json", "summary.csv", "summary.md",
-                 f"workload_{workload}_pareto.png", f"workload_{workload}_ttft_cdf.png"):
-        assert (out / name).stat().st_size > 0, name
     records = json.loads((out / "requests.json").read_text())["requests"]
     with open(out / "requests.csv") as f:
-        assert len(list(csv.DictReader(f))) == len(records)
-    assert [s.policy for s in summaries] == policies.split(",")
-    assert "| sparsex |" in (out / "summary.md").read_text()
-    return summaries, records
+        assert [(r["policy"], int(r["index"])) for r in csv.DictReader(f)] == [(r["policy"], r["index"]) for r in records]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s.policy for s in summaries] == [s["policy"] for s in summary["summary"]] == policies.split(",")
+    _check_summaries(summaries, records)
+    _check_summary_table((out / "summary.md").read_text(), summaries)
+    return summaries, records, summary
 
 
 def _check_policy_counters(records: list[dict]) -> None:
@@ -86,16 +99,76 @@ def _check_policy_counters(records: list[dict]) -> None:
         # the twin engine (fidelity) planned exactly what the timed engine did
         assert all(r["twin_match"] is not False for r in rs), name
         assert all(r["fidelity"] and r["match_len"] is not None for r in rs), name
-        assert all(0 <= r["top1"] <= 1 and r["ttft_s"] > 0 for r in rs), name
         for r in rs:
+            assert 0 <= r["top1"] <= 1
             assert r["computed_tokens"] == r["prompt_tokens"] - r["cached_tokens"] - r["reused_tokens"] \
                 + r["recomputed_tokens"]
+            # the per-position metrics are the record's: its top-1 and KL are their means
+            positions = len(r["position_kl"])
+            assert r["kl"] == pytest.approx(sum(r["position_kl"]) / positions, abs=1e-9)
+            assert r["top1"] == pytest.approx(1 - len(r["miss_positions"]) / positions)
+
+
+def _check_summaries(summaries: list[PolicySummary], records: list[dict]) -> None:
+    """Every summary field the tables print, recomputed from the policy's records."""
+    none_ttft = None
+    for s in summaries:
+        rs = [r for r in records if r["policy"] == s.policy]
+        prompt = sum(r["prompt_tokens"] for r in rs)
+        assert s.num_requests == len(rs) and s.prompt_tokens == prompt
+        assert s.prefix_hit_rate == pytest.approx(sum(r["cached_tokens"] for r in rs) / prompt)
+        assert s.segment_hit_rate == pytest.approx(
+            sum(r["reused_tokens"] - r["approx_prefix_tokens"] for r in rs) / prompt)
+        assert s.computed_tokens == sum(r["computed_tokens"] for r in rs)
+        assert s.compute_share == pytest.approx(sum(r["token_layers"] for r in rs) / (prompt * 30))
+        ttft = [1000 * r["ttft_s"] for r in rs]
+        assert s.ttft_mean_ms == pytest.approx(sum(ttft) / len(ttft))
+        assert min(ttft) <= s.ttft_p50_ms <= s.ttft_p99_ms <= max(ttft)
+        fr = [r for r in rs if r["fidelity"]]
+        positions = [len(r["position_kl"]) for r in fr]
+        assert s.fidelity_requests == len(fr)
+        assert s.top1 == pytest.approx(sum(r["top1"] * n for r, n in zip(fr, positions)) / sum(positions))
+        assert s.kl == pytest.approx(sum(r["kl"] * n for r, n in zip(fr, positions)) / sum(positions), abs=1e-12)
+        scored = [r["f1"] for r in rs if r["f1"] is not None]
+        assert s.f1 == (pytest.approx(sum(scored) / len(scored)) if scored else None)
+        if s.policy == "none":
+            none_ttft = s.ttft_mean_ms
+        assert s.ttft_speedup == (pytest.approx(none_ttft / s.ttft_mean_ms) if none_ttft else None)
+
+
+def _markdown_table(text: str) -> list[dict[str, str]]:
+    """The first markdown table in `text`, one dict per row, keyed by the header's cells."""
+    lines = [ln for ln in text.splitlines() if ln.startswith("|")]
+    cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
+    head, rows = cells[0], cells[2:]
+    end = next((j for j, row in enumerate(rows) if len(row) != len(head) or row[0] == "policy"), len(rows))
+    return [dict(zip(head, row)) for row in rows[:end]]
+
+
+def _check_summary_table(text: str, summaries: list[PolicySummary]) -> None:
+    """summary.md's rows hold the summaries' values, each in its column."""
+    rows = _markdown_table(text)
+    assert [r["policy"] for r in rows] == [s.policy for s in summaries]
+    pct = lambda cell: float(cell.rstrip("%")) / 100
+    for row, s in zip(rows, summaries):
+        assert pct(row["prefix hit"]) == pytest.approx(s.prefix_hit_rate, abs=5e-4)
+        assert pct(row["segment hit"]) == pytest.approx(s.segment_hit_rate, abs=5e-4)
+        assert int(row["computed tok"]) == s.computed_tokens
+        assert pct(row["compute"]) == pytest.approx(s.compute_share, abs=5e-4)
+        mean_ms, p50, p99 = (float(x) for x in row["TTFT mean / p50 / p99 (ms)"].split(" / "))
+        assert (mean_ms, p50, p99) == pytest.approx((s.ttft_mean_ms, s.ttft_p50_ms, s.ttft_p99_ms), abs=0.5)
+        assert float(row["vs none"].rstrip("×")) == pytest.approx(s.ttft_speedup, abs=5e-3)
+        assert pct(row["top-1"]) == pytest.approx(s.top1, abs=5e-4)
+        assert float(row["KL"]) == pytest.approx(s.kl, abs=5e-5)
+        if s.f1 is not None:
+            assert float(row["F1"]) == pytest.approx(s.f1, abs=5e-4)
 
 
 @needs_smollm2
 def test_rag_end_to_end(tmp_path, engines) -> None:
     # 3 passages, 2 per query: the two queries share a passage, so segment policies get a hit
-    summaries, records = _run(tmp_path, engines, "rag", queries=2, k=2, num_passages=3, passage_tokens=(60, 120))
+    summaries, records, summary = _run(tmp_path, engines, "rag", plot_dir=str(tmp_path / "img"), queries=2, k=2,
+                                       num_passages=3, passage_tokens=(60, 120))
     _check_policy_counters(records)
     by = {s.policy: s for s in summaries}
     assert by["naive"].segment_hit_rate > 0 and by["prefix"].segment_hit_rate == 0
@@ -103,6 +176,24 @@ def test_rag_end_to_end(tmp_path, engines) -> None:
     assert by["naive"].compute_share < by["sparsex"].compute_share < 1.0
     assert all(s.f1 is not None and s.em is not None for s in summaries)     # rag has reference answers
     assert by["none"].ttft_speedup == pytest.approx(1.0)
+    # the plots draw the summary's and the records' numbers (drawn again here to get their series)
+    assert sorted(os.listdir(tmp_path / "img")) == ["workload_rag_pareto.png", "workload_rag_ttft_cdf.png"]
+    cfg = WorkloadBenchConfig(workload="rag", prewarm=False, **TINY)
+    table = {s["policy"]: s for s in summary["summary"]}
+    panels = plot_pareto(summaries, str(tmp_path / "again" / "pareto.png"), cfg, summary["environment"])
+    assert [(p.y, p.x) for p in panels] == [("kl", "ttft_mean_ms"), ("kl", "compute_share"),
+                                            ("top1", "ttft_mean_ms"), ("top1", "compute_share")]
+    for panel in panels:
+        assert panel.points == {name: pytest.approx((row[panel.x] * panel.x_scale, row[panel.y]))
+                                for name, row in table.items()}
+        assert set(panel.front) <= set(panel.points.values())
+    policies = parse_policies(POLICIES)
+    cdf = plot_ttft_cdf([RequestRecord(**r) for r in records], policies, str(tmp_path / "again" / "cdf.png"), cfg,
+                        summary["environment"])
+    for p in policies:
+        xs, ys = cdf[p.name]
+        assert xs == pytest.approx(sorted(1000 * r["ttft_s"] for r in records if r["policy"] == p.name))
+        assert ys == pytest.approx([(j + 1) / len(xs) for j in range(len(xs))]) and ys[-1] == 1.0
 
 
 @needs_smollm2
@@ -112,8 +203,8 @@ def test_reference_continuation_stops_at_eos(engines) -> None:
     tokens no user sees, which a policy nearly always agrees on; `past_eos` keeps them (fixed length)."""
     engine, _ = engines.take("none", "timed", 64)
     prompt = engine.chat_to_prompt([{"role": "user", "content": "What is the capital of France? Answer in one word."}])
-    stopped = wb.compute_reference(engine, prompt, 16, None)
-    past = wb.compute_reference(engine, prompt, 16, None, past_eos=True)
+    stopped = compute_reference(engine, prompt, 16, None)
+    past = compute_reference(engine, prompt, 16, None, past_eos=True)
     assert len(past.cont) == len(past.lps) == 16
     assert stopped.cont[-1] in engine.eos_token_ids and len(stopped.cont) < 16       # "... Paris.<|im_end|>"
     assert stopped.cont == past.cont[:len(stopped.cont)] and len(stopped.lps) == len(stopped.cont)
@@ -127,9 +218,9 @@ def test_rag_prewarm_ingests_every_passage_before_the_replay(tmp_path, engines) 
     # cold, a passage hits only from its second query on; after ingesting the corpus every passage
     # of every query is a segment (or prefix) hit
     kw = dict(queries=2, k=2, num_passages=4, passage_tokens=(60, 120), seed=1)
-    cfg = wb.WorkloadBenchConfig(workload="rag", policies="none,prefix,naive", params=wb.WorkloadParams(**kw),
-                                 out=str(tmp_path / "warm"), prewarm=True, **TINY)
-    summaries = {s.policy: s for s in wb.run_workload_bench(cfg, engines)}
+    cfg = WorkloadBenchConfig(workload="rag", policies="none,prefix,naive", params=WorkloadParams(**kw),
+                              out=str(tmp_path / "warm"), prewarm=True, prewarm_passes=3, **TINY)
+    summaries = {s.policy: s for s in run_workload_bench(cfg, engines)}
     records = json.loads((tmp_path / "warm" / "requests.json").read_text())["requests"]
     naive = [r for r in records if r["policy"] == "naive"]
     # every passage is a segment hit: the ingestion prompts open with a preamble, so no passage was
@@ -137,36 +228,47 @@ def test_rag_prewarm_ingests_every_passage_before_the_replay(tmp_path, engines) 
     assert all(r["segment_hit_tokens"] == r["segment_lookup_tokens"] for r in naive)
     assert all(r["cached_tokens"] < 64 for r in naive)          # the head's blocks only, no passage
     assert sum(r["segment_lookup_tokens"] for r in naive) > 0
-    cold = wb.WorkloadBenchConfig(workload="rag", policies="naive", params=wb.WorkloadParams(**kw),
-                                  out=str(tmp_path / "cold"), **TINY)
-    cold_naive = {s.policy: s for s in wb.run_workload_bench(cold, engines)}["naive"]
+    cold = WorkloadBenchConfig(workload="rag", policies="naive", params=WorkloadParams(**kw),
+                               out=str(tmp_path / "cold"), prewarm=False, **TINY)
+    cold_naive = {s.policy: s for s in run_workload_bench(cold, engines)}["naive"]
     assert summaries["naive"].compute_share < cold_naive.compute_share     # more reused, less computed
-    assert "after ingesting" in (tmp_path / "warm" / "summary.md").read_text()
-    # the later ingestion passes (the default prewarm_passes=3) compute every passage again in
-    # another grouping and merges that encoding into its entry
+    # the later ingestion passes compute every passage again in another grouping and merge that
+    # encoding into its entry: at most one merge per passage and later pass
     env = json.loads((tmp_path / "warm" / "summary.json").read_text())["environment"]
-    assert env["prewarm_passes"] == 3 and env["merged_encodings"] >= 1
-    w = wb._tokenized_workload(engines, lambda tok: wb.build_workload(cfg, tok), prewarm=True,
-                               make_preamble=lambda tok, used: wb.ingestion_preamble(cfg, tok, used),
-                               prewarm_passes=3, seed=1)
+    passages = {p for r in build_workload(cfg, engines.take("none", "timed", 1, warm=False)[0].tokenizer)
+                for p in r.segments[1:-1]}
+    assert env["prewarm_passes"] == 3 and 1 <= env["merged_encodings"] <= 2 * len(passages)
+    w = tokenized_workload(engines, lambda tok: build_workload(cfg, tok), prewarm=True,
+                           make_preamble=lambda tok, used: ingestion_preamble(cfg, tok, used),
+                           prewarm_passes=3, seed=1)
     assert len(w.rewarm_prompts) == 2 * len(w.warm_prompts)
+    # the summary's header says how the corpus was ingested: the prompts built here, the passes asked for
+    assert env["prewarm_prompts"] == len(w.warm_prompts) == -(-len(passages) // 2)
+    header = (tmp_path / "warm" / "summary.md").read_text().splitlines()[0]
+    assert f"after ingesting the corpus in {len(w.warm_prompts)} prompts" in header and "3 pass(es)" in header
+    cold_header = (tmp_path / "cold" / "summary.md").read_text().splitlines()[0]
+    assert cold_header.startswith(f"rag: {env['num_requests']} requests, fidelity on")
     # the same passages, every pass, in other groupings (seeded: the same again)
-    again = wb._tokenized_workload(engines, lambda tok: wb.build_workload(cfg, tok), prewarm=True,
-                                   make_preamble=lambda tok, used: wb.ingestion_preamble(cfg, tok, used),
-                                   prewarm_passes=3, seed=1)
+    again = tokenized_workload(engines, lambda tok: build_workload(cfg, tok), prewarm=True,
+                               make_preamble=lambda tok, used: ingestion_preamble(cfg, tok, used),
+                               prewarm_passes=3, seed=1)
     assert [p.token_ids for p in again.rewarm_prompts] == [p.token_ids for p in w.rewarm_prompts]
     n, total = len(w.warm_prompts), (lambda ps: sum(len(p.token_ids) for p in ps))
     assert total(w.rewarm_prompts[:n]) == total(w.warm_prompts) == total(w.rewarm_prompts[n:])
     assert [p.token_ids for p in w.rewarm_prompts[:n]] != [p.token_ids for p in w.warm_prompts]
     with pytest.raises(ValueError, match="prewarm_passes"):
-        wb.WorkloadBenchConfig(workload="rag", prewarm=True, prewarm_passes=0).verify()
+        WorkloadBenchConfig(workload="rag", prewarm=True, prewarm_passes=0).verify()
     with pytest.raises(ValueError, match="prewarm"):
-        wb.WorkloadBenchConfig(workload="chat", prewarm=True).verify()
+        WorkloadBenchConfig(workload="chat", prewarm=True).verify()
 
 
 @needs_smollm2
-def test_chat_end_to_end(tmp_path, engines) -> None:
-    summaries, records = _run(tmp_path, engines, "chat", users=2, turns=2, context_budget=300)
+def test_chat_end_to_end(tmp_path, engines, monkeypatch) -> None:
+    # without matplotlib (the optional bench extra) and without --plot-dir a run writes its tables
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    summaries, records, _ = _run(tmp_path, engines, "chat", users=2, turns=2, context_budget=300)
+    assert sorted(os.listdir(tmp_path / "chat")) == ["requests.csv", "requests.json", "summary.csv", "summary.json",
+                                                    "summary.md"]
     _check_policy_counters(records)
     assert all(s.f1 is None for s in summaries)            # no task score outside rag
     assert {s.policy: s for s in summaries}["prefix"].prefix_hit_rate > 0     # later turns extend earlier ones
@@ -175,23 +277,35 @@ def test_chat_end_to_end(tmp_path, engines) -> None:
 @needs_smollm2
 def test_agent_end_to_end(tmp_path, engines) -> None:
     # seed 6: a one-session workload of 3 calls (~1000-1400 tokens each), the cheapest agent run
-    _, records = _run(tmp_path, engines, "agent", "none,prefix,naive,sparsex", sessions=1, results_per_call=1,
+    _, records, _ = _run(tmp_path, engines, "agent", "none,prefix,naive,sparsex", sessions=1, results_per_call=1,
                       tool_apis=("web_search",), seed=6)
     _check_policy_counters(records)
 
 
 @needs_smollm2
 def test_stream_end_to_end(tmp_path) -> None:
-    cfg = wb.StreamConfig(queries=6, k=2, num_passages=12, passage_tokens=(60, 120), kv_fraction=1.0, window=3,
-                          out=str(tmp_path), progress=False)
-    summaries = wb.run_stream(cfg)
+    cfg = StreamConfig(queries=6, k=2, num_passages=12, passage_tokens=(60, 120), kv_fraction=1.0, window=3,
+                       out=str(tmp_path), plot_dir=str(tmp_path / "img"), progress=False)
+    summaries = run_stream(cfg)
     assert [s.eviction for s in summaries] == ["lru", "frequency"]
+    with open(tmp_path / "stream_requests.csv") as f:
+        rows = list(csv.DictReader(f))
+    rate = lambda rs: (sum(int(r["segment_hit_tokens"]) for r in rs) / sum(int(r["segment_lookup_tokens"]) for r in rs))
     for s in summaries:
-        assert s.num_requests == 6 and len(s.window_hit_rates) == 2
-        assert 0 <= s.segment_lookup_hit_rate <= 1
-    for name in ("stream.json", "stream_requests.csv", "stream_summary.csv", "stream_summary.md",
-                 "workload_stream_hit_rate.png"):
-        assert (tmp_path / name).stat().st_size > 0, name
+        rs = [r for r in rows if r["eviction"] == s.eviction]
+        assert s.num_requests == len(rs) == 6
+        assert s.segment_lookup_hit_rate == pytest.approx(rate(rs))
+        assert s.window_hit_rates == pytest.approx([rate(rs[:3]), rate(rs[3:])])
+        assert s.segment_lookup_hit_rate_2nd_half == pytest.approx(rate(rs[3:]))
+        assert s.segment_hit_rate == pytest.approx(sum(int(r["reused_tokens"]) for r in rs)
+                                                   / sum(int(r["prompt_tokens"]) for r in rs))
+    table = _markdown_table((tmp_path / "stream_summary.md").read_text())
+    assert [(r["eviction"], r["segment hit (lookups)"]) for r in table] == \
+        [(s.eviction, f"{s.segment_lookup_hit_rate:.1%}") for s in summaries]
+    # the plot draws each window's hit rate at the count of queries served by the window's end
+    assert os.listdir(tmp_path / "img") == ["workload_stream_hit_rate.png"]
+    series = plot_stream(summaries, str(tmp_path / "again.png"), cfg, {})
+    assert series == {s.eviction: ([3, 6], pytest.approx([100 * r for r in s.window_hit_rates])) for s in summaries}
 
 
 # ---------------------------------------------------------------- pieces
@@ -243,7 +357,7 @@ def test_policies() -> None:
 
 
 def test_flop_model_matches_compute_share() -> None:
-    fm = wb.FlopModel(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
+    fm = FlopModel(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
                       vocab=49152)
     full_tl, full = fm.prefill(1000, 0, [], 0, 30)
     assert full_tl == 30 * 1000
@@ -267,28 +381,68 @@ def test_flop_model_matches_compute_share() -> None:
 
 
 def test_task_score() -> None:
-    assert wb.token_f1("The city of Adana, Turkey.", "City in Turkey") == pytest.approx(2 * (2 / 4) * (2 / 3) / (2 / 4 + 2 / 3))
-    assert wb.exact_match("A city in Turkey!", "city in turkey") == 1.0
-    assert wb.token_f1("", "x") == 0.0
+    assert token_f1("The city of Adana, Turkey.", "City in Turkey") == pytest.approx(2 * (2 / 4) * (2 / 3) / (2 / 4 + 2 / 3))
+    assert exact_match("A city in Turkey!", "city in turkey") == 1.0
+    assert token_f1("", "x") == 0.0
 
 
 def test_config_verify() -> None:
     for kw in (dict(workload="web"), dict(fidelity_tokens=0), dict(fidelity_every=-1), dict(num_blocks=0),
-               dict(params=wb.WorkloadParams(queries=0)), dict(params=wb.WorkloadParams(passage_tokens=(50, 10)))):
+               dict(params=WorkloadParams(queries=0)), dict(params=WorkloadParams(passage_tokens=(50, 10)))):
         with pytest.raises(ValueError):
-            wb.WorkloadBenchConfig(**kw).verify()
+            WorkloadBenchConfig(**kw).verify()
     for kw in (dict(kv_fraction=0), dict(evictions=("fifo",)), dict(evictions=()), dict(window=0)):
         with pytest.raises(ValueError):
-            wb.StreamConfig(**kw).verify()
+            StreamConfig(**kw).verify()
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    wb.add_workload_bench_parser(parser.add_subparsers())
+    return parser.parse_args(["workload", *argv])
+
+
+def test_rag_defaults_are_the_headline_configuration() -> None:
+    """`sparsex bench workload --workload rag --policies none,sparsex` is the rag headline run of
+    docs/benchmarks.md: 96 queries of 8 passages, the corpus ingested first in three passes, fp32,
+    a pool of 10,000 blocks (its workload would need 27,758)."""
+    cfg = wb.config_from_args(_parse("--workload", "rag", "--policies", "none,sparsex"))
+    assert (cfg.params.queries, cfg.params.k, cfg.params.num_passages, cfg.params.passage_tokens) == (96, 8, 60, (300, 500))
+    assert (cfg.prewarm, cfg.prewarm_passes, cfg.dtype, cfg.device) == (True, 3, "float32", "cpu")
+    assert (cfg.fidelity_tokens, cfg.fidelity_past_eos, cfg.fidelity_every, cfg.answer_tokens) == (32, False, 1, 32)
+    assert (cfg.params.seed, cfg.params.zipf_a) == (0, 1.1) and cfg.num_blocks is None and MAX_AUTO_BLOCKS == 10000
+    assert cfg.plot_dir is None
+    assert wb.config_from_args(_parse("--workload", "rag", "--no-prewarm")).prewarm is False
+    # chat and agent have no corpus to ingest
+    assert wb.config_from_args(_parse("--workload", "chat")).prewarm is False
+    assert wb.config_from_args(_parse("--workload", "agent")).prewarm is False
+    stream = wb.config_from_args(_parse("--stream"))
+    assert isinstance(stream, StreamConfig) and (stream.queries, stream.k) == (500, 2)
+
+
+def test_plots_without_matplotlib_fail_before_any_work(monkeypatch, tmp_path) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)     # as if the bench extra were not installed
+    with pytest.raises(ValueError, match=r"pip install sparsex\[bench\]"):
+        require_matplotlib()
+    for cfg in (WorkloadBenchConfig(plot_dir=str(tmp_path)), StreamConfig(plot_dir=str(tmp_path))):
+        with pytest.raises(ValueError, match=r"pip install sparsex\[bench\]"):
+            cfg.verify()
+    WorkloadBenchConfig(plot_dir=None).verify()
+    StreamConfig(plot_dir=None).verify()
 
 
 # ---------------------------------------------------------------- command line
 
 
-def _cli(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _cli(*args: str, env_extra: dict[str, str] | None = None,
+         without_matplotlib: bool = False) -> subprocess.CompletedProcess:
     env = {**os.environ, **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "sparsex.bench.workload_bench", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=300, env=env)
+    entry = ["-m", "sparsex.bench.workload_bench"]
+    if without_matplotlib:            # as if the bench extra were not installed
+        entry = ["-c", "import sys; sys.modules['matplotlib'] = None; "
+                       "from sparsex.bench.workload_bench import main; sys.exit(main())"]
+    return subprocess.run([sys.executable, *entry, *args], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=env)
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -301,6 +455,7 @@ def _cli(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.Comp
     (("--threads", "0"), "--threads"),
     (("--device", "tpu"), "device must be"),
     (("--stream", "--device", "cuda"), "--stream runs on the CPU only"),
+    (("--workload", "chat", "--prewarm"), "prewarm ingests the rag corpus"),
 ])
 def test_bad_arguments_exit_2(args, needle, tmp_path) -> None:
     proc = _cli(*args, "--out", str(tmp_path))
@@ -313,6 +468,13 @@ def test_bad_arguments_exit_2(args, needle, tmp_path) -> None:
 def test_device_cuda_without_cuda_exits_2(tmp_path) -> None:
     proc = _cli("--device", "cuda", "--out", str(tmp_path))
     assert proc.returncode == 2 and "CUDA is not available" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_plot_dir_without_matplotlib_exits_2_naming_the_extra(tmp_path) -> None:
+    proc = _cli("--queries", "2", "--k", "2", "--out", str(tmp_path / "out"), "--plot-dir", str(tmp_path / "img"),
+                without_matplotlib=True)
+    assert proc.returncode == 2 and "pip install sparsex[bench]" in proc.stderr and "Traceback" not in proc.stderr
+    assert not any(tmp_path.iterdir())                     # failed before writing anything
 
 
 def test_argparse_errors_exit_2() -> None:

@@ -19,7 +19,7 @@ overrides (`LLMEngine.add_request(..., reuse=...)`). Named policies:
 
 The baselines (naive, epic, cacheblend), custom specs and the sweep grid name selection rules:
 they blend every hit, as the papers' rules do (min_blend_tokens=0), and select in one stage
-(rescore_layers=0: ``sparse_q:2:0.15`` means what it meant before the default became two-stage);
+(rescore_layers=0: ``sparse_q:2:0.15`` is one stage; ``rescore_layers=auto`` asks for the default's two);
 every other knob is the engine's.
 
 `sweep_policies()` gives the recompute_ratio x full_layers grid for the Pareto front. The default

@@ -106,9 +106,8 @@ def format_table(points: list[PrefillPoint]) -> str:
 def save_plot(points: list[PrefillPoint], path: str, title: str) -> None:
     import os
 
-    import matplotlib
-    matplotlib.use("Agg")             # headless: no display on CI or servers
-    import matplotlib.pyplot as plt
+    from sparsex.bench.plots import pyplot
+    plt = pyplot()
 
     xs = [p.length for p in points]
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)

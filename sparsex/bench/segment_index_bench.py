@@ -99,6 +99,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pool-fraction", type=float, default=0.25)
     ap.add_argument("--plot", default=None, help="save the hit-rate-over-time plot here (PNG)")
     args = ap.parse_args(argv)
+    if args.plot:
+        from sparsex.bench.plots import require_matplotlib
+        try:
+            require_matplotlib()
+        except ValueError as e:
+            ap.error(str(e))
 
     r = lookup_cost(args.entries)
     print(f"| entries | tokens/entry | index memory per entry | lookup (hit) | lookup (miss) |\n|---|---|---|---|---|\n"
@@ -119,9 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     for policy, c in curves.items():
         print(f"| {policy} | {100*c[0]:.1f}% | {100*c[-1]:.1f}% | {100*sum(c)/len(c):.1f}% |")
     if args.plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from sparsex.bench.plots import pyplot
+        plt = pyplot()
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for policy, c in curves.items():
             ax.plot([50 * (i + 1) for i in range(len(c))], [100 * x for x in c], label=policy)
