@@ -32,6 +32,7 @@ MODEL_FIXTURES = frozenset({
     "server", "strict", "offline",                      # test_server.py
     "engines",                                          # test_workload_bench.py
     "serve_process",                                    # test_server_cli.py
+    "demo_report",                                      # test_demo.py
 })
 # Tests that load the model in their own body (or in a subprocess), by module.
 MODEL_TESTS = {
@@ -41,7 +42,6 @@ MODEL_TESTS = {
     "test_workload_bench.py": {"test_stream_end_to_end", "test_peer_vllm_exports_the_workload_and_prints_instructions"},
     "test_loader.py": {"test_qwen_coder_loads"},
 }
-MODEL_MODULES = {"test_demo.py"}                       # every test in them runs the model
 BENCH_MODULES = {"test_workload_bench.py"}             # their `model` tests run a workload benchmark
 BENCH_TESTS = {"test_cli.py": {"test_bench_throughput_and_prefill_tiny"}}
 GPU_MODULES = {"test_gpu_engine.py", "test_triton_kernels.py"}
@@ -51,8 +51,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         module = Path(str(item.fspath)).name
         name = getattr(item, "originalname", item.name)       # without the parametrize suffix
-        is_model = (module in MODEL_MODULES or name in MODEL_TESTS.get(module, ())
-                    or not MODEL_FIXTURES.isdisjoint(item.fixturenames))
+        is_model = name in MODEL_TESTS.get(module, ()) or not MODEL_FIXTURES.isdisjoint(item.fixturenames)
         is_bench = is_model and (module in BENCH_MODULES or name in BENCH_TESTS.get(module, ()))
         is_gpu = module in GPU_MODULES
         for mark, on in (("model", is_model), ("bench", is_bench), ("gpu", is_gpu)):
