@@ -1,5 +1,6 @@
 """Shared fixtures (the real SmolLM2 model, loaded once per session, and engine factories) and the
-test lanes: every test is marked `unit` or `model`, plus `bench` / `gpu` where they apply.
+test lanes: a test is `unit` unless it loads the model (`model`) or needs CUDA (`gpu`); `bench` marks
+the `model` tests that run a workload benchmark.
 
     unit   loads no model: block pool, hashing, index, scheduler with a stub, protocol validation,
            selectors on synthetic tensors, config checks. `make test-fast` runs `pytest -m unit`.
@@ -37,11 +38,11 @@ MODEL_FIXTURES = frozenset({
 # Tests that load the model in their own body (or in a subprocess), by module.
 MODEL_TESTS = {
     "test_cli.py": {"test_generate_prints_text_and_stats", "test_generate_chat_with_segment_cache",
-                    "test_demo_quick_runs_end_to_end", "test_bench_throughput_and_prefill_tiny",
-                    "test_unknown_model_is_a_clean_error"},
+                    "test_demo_quick_runs_end_to_end", "test_bench_throughput_and_prefill_tiny"},
     "test_workload_bench.py": {"test_stream_end_to_end", "test_peer_vllm_exports_the_workload_and_prints_instructions"},
     "test_loader.py": {"test_qwen_coder_loads"},
 }
+MODEL_MODULES = {"test_gpu_engine.py"}                 # every test in them loads the model
 BENCH_MODULES = {"test_workload_bench.py"}             # their `model` tests run a workload benchmark
 BENCH_TESTS = {"test_cli.py": {"test_bench_throughput_and_prefill_tiny"}}
 GPU_MODULES = {"test_gpu_engine.py", "test_triton_kernels.py"}
@@ -51,7 +52,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         module = Path(str(item.fspath)).name
         name = getattr(item, "originalname", item.name)       # without the parametrize suffix
-        is_model = name in MODEL_TESTS.get(module, ()) or not MODEL_FIXTURES.isdisjoint(item.fixturenames)
+        is_model = (module in MODEL_MODULES or name in MODEL_TESTS.get(module, ())
+                    or not MODEL_FIXTURES.isdisjoint(item.fixturenames))
         is_bench = is_model and (module in BENCH_MODULES or name in BENCH_TESTS.get(module, ()))
         is_gpu = module in GPU_MODULES
         for mark, on in (("model", is_model), ("bench", is_bench), ("gpu", is_gpu)):
