@@ -1,28 +1,36 @@
-"""`sparsex demo`: a small interleaved RAG + chat workload through the engine, with segment reuse
-on, then the same requests with no cache for a TTFT comparison.
+"""`sparsex demo`: retrieval-augmented questions over Wikipedia passages that were ingested once,
+each answered with segment reuse and again with full prefill, side by side.
 
-Requests run one at a time, in arrival order, so each TTFT is a single request's own latency and
-every request can reuse what the ones before it computed: the RAG queries draw their passages from
-a small Zipf-popular pool (the same passage recurs at different positions, behind different
-neighbours), and the chat users of two deployments (system prompts) talk about a few shared topics
-(the same messages recur behind a different system prompt, i.e. at shifted positions).
+1. Ingest: a small corpus of real Wikipedia lead summaries (one article each, 150-250 tokens) goes
+   through the engine in a few seeded groupings, each passage behind other passages (one token is
+   generated; only the KV matters). The engine indexes every passage as a segment.
+2. Ask: each question's prompt is `[system, *passages, question]` over a few of those passages in a
+   new order, as explicit segments. The passages' KV is reused at their new positions (keys
+   re-rotated) and a few selected tokens are recomputed, instead of prefilling the whole prompt.
+3. Compare: the same prompts on a `cache="none"` engine (full prefill of every token), greedy both
+   times: TTFT side by side and whether the answers are identical.
+
+Requests run one at a time, so each TTFT is one request's own latency, and each question runs with
+reuse and then with full prefill, back to back.
 """
 from __future__ import annotations
 
+import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from sparsex.bench.workloads import Request, chat_workload, rag_workload
-from sparsex.engine.llm_engine import EngineStats
+from sparsex.bench.datasets import WikiEntry, load_wiki_entries
+from sparsex.bench.workloads import RAG_SYSTEM_PROMPT, ChatFormat, is_answerable, rag_question
 from sparsex.config import parse_dtype
 from sparsex.entrypoints.llm import LLM
 from sparsex.outputs import RequestOutput
 from sparsex.sampling_params import SamplingParams
 
-_QUESTION_WIDTH = 96
+PASSAGE_TOKENS = (150, 250)       # one Wikipedia lead summary, with its title line
 
 
 @dataclass
@@ -31,133 +39,244 @@ class DemoConfig:
     cache: str = "sparsex"
     dtype: str = "auto"               # bfloat16 where the CPU runs it natively, else float32
     max_tokens: int = 24
-    quick: bool = False               # 3 short requests: for tests and a first look
-    compare: bool = True              # rerun the requests with cache="none"
+    quick: bool = False               # 2 questions over 4 passages: for tests and a first look
+    compare: bool = True              # answer every question again with full prefill (cache="none")
     seed: int = 0
 
     def verify(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"max-tokens must be an integer >= 1, got {self.max_tokens!r}")
+
+    @property
+    def num_passages(self) -> int:
+        return 4 if self.quick else 8
+
+    @property
+    def num_questions(self) -> int:
+        return 2 if self.quick else 5
+
+    @property
+    def passages_per_question(self) -> int:
+        return 3 if self.quick else 4
+
+
+@dataclass(frozen=True)
+class Passage:
+    entry: WikiEntry
+    text: str                         # "Title: ...\n<summary>\n\n": a segment, the same ids wherever it appears
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Question:
+    text: str                         # what is asked, one line
+    segments: list[str]               # [system, *passages, question]: the prompt's pieces
 
 
 @dataclass
-class DemoResult:
-    request: Request
-    output: RequestOutput
+class DemoRow:
+    """One question: the counters and TTFT of its answer with reuse, and of full prefill's."""
+    question: str
+    prompt_tokens: int
+    num_cached_tokens: int            # exact prefix-cache hit tokens
+    num_reused_tokens: int            # tokens served from the segment cache (before recomputation)
+    num_recomputed_tokens: int        # reused tokens that were recomputed
+    ttft: float                       # seconds, with reuse
+    answer: str
+    ttft_full: float | None = None    # seconds, full prefill; None without the comparison
+    answer_full: str | None = None
+
+    @classmethod
+    def from_outputs(cls, question: str, out: RequestOutput, full: RequestOutput | None) -> DemoRow:
+        return cls(question=question, prompt_tokens=len(out.prompt_token_ids),
+                   num_cached_tokens=out.num_cached_tokens, num_reused_tokens=out.num_reused_tokens,
+                   num_recomputed_tokens=out.num_recomputed_tokens, ttft=out.metrics.ttft,
+                   answer=out.outputs[0].text.strip(),
+                   ttft_full=None if full is None else full.metrics.ttft,
+                   answer_full=None if full is None else full.outputs[0].text.strip())
 
     @property
-    def ttft(self) -> float:
-        return self.output.metrics.ttft
+    def speedup(self) -> float | None:
+        return None if self.ttft_full is None else self.ttft_full / self.ttft
 
     @property
-    def answer(self) -> str:
-        return self.output.outputs[0].text.strip()
+    def same_answer(self) -> bool | None:
+        return None if self.answer_full is None else self.answer == self.answer_full
 
 
-def demo_requests(tokenizer, quick: bool, seed: int) -> list[Request]:
-    """RAG and chat requests, alternating. Sizes chosen to show reuse within ~1 min on 2 cores."""
-    if quick:
-        rag = rag_workload(tokenizer, num_queries=2, k=2, num_passages=3, seed=seed)
-        chat = chat_workload(tokenizer, num_users=1, turns_per_user=1, num_deployments=1,
-                             context_budget=256, num_topics=2, seed=seed)
-    else:
-        rag = rag_workload(tokenizer, num_queries=4, k=3, num_passages=6, seed=seed)
-        chat = chat_workload(tokenizer, num_users=2, turns_per_user=2, num_deployments=2,
-                             context_budget=512, num_topics=3, seed=seed)
+@dataclass
+class DemoReport:
+    rows: list[DemoRow]
+    outputs: list[RequestOutput]                  # with reuse, one per question
+    full_outputs: list[RequestOutput] = field(default_factory=list)   # full prefill; empty without compare
+    ingest_prompts: int = 0
+    ingest_seconds: float = 0.0
+
+
+# ---------------------------------------------------------------------------- corpus and questions
+
+
+def pick_passages(tokenizer, num: int, seed: int) -> list[Passage]:
+    """`num` Wikipedia lead summaries of PASSAGE_TOKENS tokens, a seeded draw spread over topics, each
+    with a one-line answer (its Wikidata description) so that a question about it has one."""
+    entries = [e for e in load_wiki_entries() if is_answerable(e)]
+    random.Random(seed).shuffle(entries)
+    per_topic = -(-num // len({e.topic for e in entries}))
+    used: dict[str, int] = {}
+    out: list[Passage] = []
+    for e in entries:
+        if used.get(e.topic, 0) >= per_topic:
+            continue
+        text = f"Title: {e.title}\n{e.extract}\n\n"
+        n = len(tokenizer.encode(text, add_special_tokens=False))
+        if PASSAGE_TOKENS[0] <= n <= PASSAGE_TOKENS[1]:
+            out.append(Passage(e, text, n))
+            used[e.topic] = used.get(e.topic, 0) + 1
+            if len(out) == num:
+                return out
+    raise ValueError(f"the wiki data has only {len(out)} answerable summaries of {PASSAGE_TOKENS} tokens, need {num}")
+
+
+def build_questions(tokenizer, passages: list[Passage], num: int, k: int, seed: int) -> list[Question]:
+    """`num` questions, each over `k` of the passages in a seeded order, asking about one of them
+    (a different passage each time)."""
+    if not 1 <= k <= len(passages) or num > len(passages):
+        raise ValueError(f"need k <= {len(passages)} passages and at most one question per passage; got k={k}, num={num}")
+    fmt = ChatFormat.from_tokenizer(tokenizer)
+    user_pre, user_post = fmt.wrappers["user"]
+    system = fmt.render("system", RAG_SYSTEM_PROMPT) + user_pre
+    rng = random.Random(seed + 1)
+    targets = rng.sample(passages, num)
     out = []
-    for i in range(max(len(rag), len(chat))):
-        out += rag[i:i + 1] + chat[i:i + 1]
+    for target in targets:
+        others = rng.sample([p for p in passages if p is not target], k - 1)
+        chosen = [target, *others]
+        rng.shuffle(chosen)
+        asked = rag_question(target.entry)
+        out.append(Question(asked.removeprefix("Question: ").removesuffix("\nAnswer:"),
+                            [system, *(p.text for p in chosen), asked + user_post + fmt.generation_cue]))
     return out
 
 
-def question_of(req: Request) -> str:
-    """One line saying what the request asks: the RAG question, or the chat user's last message."""
-    text = req.messages[-1]["content"]
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    asked = next((ln for ln in lines if ln.startswith("Question:")), lines[-1] if lines else "")
-    asked = asked.removeprefix("Question:").strip()
-    return asked if len(asked) <= _QUESTION_WIDTH else asked[: _QUESTION_WIDTH - 3] + "..."
+def ingest(llm: LLM, system: str, passages: list[Passage], lead: Passage, passes: int = 3, group_size: int = 4,
+           seed: int = 0) -> int:
+    """Put every passage's KV in the segment cache; returns the number of prompts sent.
+
+    Each prompt is `[system, lead, *group, "\\n"]`. `lead` is a passage no question uses: it keeps the
+    group's passages past `ReuseConfig.min_context_tokens`, since an encoding computed right after a
+    short head is reused only at an early position. Every pass after the first regroups the passages
+    in a seeded order: each passage is computed exactly (`blend=False`) behind other neighbours, and
+    the engine keeps the mean of those encodings, which suits an unseen context better than any one."""
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    reuse = {"blend": False} if llm.llm_engine.segment_index is not None else None
+    rng = random.Random(seed)
+    prompts = []
+    for p in range(passes):
+        order = passages if p == 0 else rng.sample(passages, len(passages))
+        for i in range(0, len(order), group_size):
+            prompts.append({"segments": [system, lead.text, *(x.text for x in order[i:i + group_size]), "\n"]})
+    for prompt in prompts:                       # one at a time: each pass sees the ones before it
+        llm.generate(prompt, one, use_tqdm=False, reuse=reuse)
+    return len(prompts)
 
 
-def run_requests(llm: LLM, requests: list[Request], max_tokens: int) -> list[DemoResult]:
-    # A throwaway request first: first-call allocations would otherwise land on request 1's TTFT.
-    # It is shorter than a KV block and has no segments, so it leaves nothing in the caches.
-    llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+def answer(llm: LLM, question: Question, max_tokens: int) -> RequestOutput:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    return [DemoResult(r, llm.generate(r.engine_prompt(), params, use_tqdm=False)[0]) for r in requests]
+    return llm.generate({"segments": question.segments}, params, use_tqdm=False)[0]
 
 
-def _print_result(console: Console, i: int, n: int, res: DemoResult) -> None:
-    o = res.output
-    # soft_wrap: a long answer stays one line instead of being re-flowed to the console width
-    console.print(f"[bold][{i}/{n}] {res.request.workload}[/bold] Q: {question_of(res.request)}", soft_wrap=True)
-    console.print(f"      A: {res.answer!r}", soft_wrap=True, markup=False)
-    console.print(f"      TTFT {res.ttft * 1e3:.0f} ms | prompt {len(o.prompt_token_ids)} tok | "
-                  f"prefix-cached {o.num_cached_tokens} | segment-reused {o.num_reused_tokens} | "
-                  f"recomputed {o.num_recomputed_tokens}", style="dim", soft_wrap=True)
+def _engine(cfg: DemoConfig, cache: str) -> LLM:
+    # warmup: the engine first runs a few small requests through every path its cache mode uses (then
+    # empties its caches), so no TTFT below includes a first call's allocations or kernel builds
+    return LLM(model=cfg.model, dtype=cfg.dtype, cache=cache, seed=cfg.seed, warmup=True)
 
 
-def stats_table(stats: EngineStats, cache: str) -> Table:
-    t = Table(title=f"cache statistics (cache={cache})")
-    t.add_column("metric")
-    t.add_column("value", justify="right")
-
-    def pct(a: int, b: int) -> str:
-        return f"{a} / {b} ({100 * a / b:.0f}%)" if b else "0 / 0"
-
-    t.add_row("prefix-cache hit tokens / looked up", pct(stats.prefix_cache_hits, stats.prefix_cache_queries))
-    t.add_row("approximate-prefix hit tokens (blended blocks)", str(stats.approx_prefix_hits))
-    t.add_row("segment-cache hit tokens / looked up", pct(stats.segment_cache_hits, stats.segment_cache_queries))
-    t.add_row("reused tokens recomputed", str(stats.recomputed_tokens))
-    t.add_row("token selection time", f"{stats.selection_seconds * 1e3:.0f} ms")
-    t.add_row("segment entries indexed", str(stats.num_segment_entries))
-    t.add_row("KV blocks in use", f"{stats.kv_cache_usage:.1%} of {stats.num_blocks}")
-    t.add_row("preemptions", str(stats.num_preemptions))
-    return t
+# ---------------------------------------------------------------------------- the run
 
 
-def comparison_table(ours: list[DemoResult], base: list[DemoResult], cache: str) -> Table:
-    t = Table(title=f"TTFT: cache={cache} vs cache=none (same requests, same order)",
-              caption="from cache = prefix-cached + segment-reused - recomputed tokens; "
-                      "same answer = identical greedy text")
-    # short headers: the table must fit an 80-column console
-    for name, justify in (("#", "right"), ("kind", "left"), ("prompt", "right"), ("from cache", "right"),
-                          ("TTFT none", "right"), (f"TTFT {cache}", "right"), ("speedup", "right"),
-                          ("same answer", "center")):
-        t.add_column(name, justify=justify)
-    for i, (a, b) in enumerate(zip(ours, base), 1):
-        o = a.output
-        served = o.num_cached_tokens + o.num_reused_tokens - o.num_recomputed_tokens
-        t.add_row(str(i), a.request.workload, str(len(o.prompt_token_ids)), str(served),
-                  f"{b.ttft * 1e3:.0f} ms", f"{a.ttft * 1e3:.0f} ms", f"{b.ttft / a.ttft:.2f}x",
-                  "yes" if a.answer == b.answer else "no")
-    tot_a, tot_b = sum(r.ttft for r in ours), sum(r.ttft for r in base)
-    t.add_row("", "total", "", "", f"{tot_b * 1e3:.0f} ms", f"{tot_a * 1e3:.0f} ms", f"{tot_b / tot_a:.2f}x", "",
-              style="bold")
+def demo(cfg: DemoConfig, console: Console | None = None) -> DemoReport:
+    """Ingest, ask, compare; prints as it goes and returns the rows the table was built from."""
+    cfg.verify()
+    console = console or Console(highlight=False)
+    dtype = str(parse_dtype(cfg.dtype)).removeprefix("torch.")
+    console.print(f"loading {cfg.model} ({dtype}, cache={cfg.cache}"
+                  + (', and cache="none" for full prefill' if cfg.compare else "") + ") ...")
+    llm = _engine(cfg, cfg.cache)
+    tokenizer = llm.get_tokenizer()
+    corpus = pick_passages(tokenizer, cfg.num_passages + 1, cfg.seed)
+    lead, passages = corpus[0], corpus[1:]
+    questions = build_questions(tokenizer, passages, cfg.num_questions, cfg.passages_per_question, cfg.seed)
+
+    # both engines up front: each question runs with reuse and then with full prefill, back to back,
+    # so a load change on the machine touches both of its TTFTs alike
+    base = _engine(cfg, "none") if cfg.compare else None
+
+    t0 = time.perf_counter()
+    n_ingest = ingest(llm, questions[0].segments[0], passages, lead, seed=cfg.seed)
+    ingest_s = time.perf_counter() - t0
+    console.print(f"ingested {len(passages)} Wikipedia passages ({sum(p.num_tokens for p in passages)} tokens: "
+                  + ", ".join(p.entry.title for p in passages) + f") in {n_ingest} prompts, {ingest_s:.1f} s")
+    console.print(f"asking {len(questions)} questions, each over {cfg.passages_per_question} of them in a new "
+                  f"order (greedy, max_tokens={cfg.max_tokens})"
+                  + (', each again with full prefill (cache="none")' if base is not None else "") + " ...")
+    outputs: list[RequestOutput] = []
+    full: list[RequestOutput] = []
+    for q in questions:
+        outputs.append(answer(llm, q, cfg.max_tokens))
+        if base is not None:
+            full.append(answer(base, q, cfg.max_tokens))
+    del llm, base
+    rows = [DemoRow.from_outputs(q.text, o, f) for q, o, f in zip(questions, outputs, full or [None] * len(outputs))]
+    report = DemoReport(rows, outputs, full, n_ingest, ingest_s)
+    console.print()
+    console.print(demo_table(rows, cfg.cache))
+    for i, r in enumerate(rows, 1):
+        console.print(f"[bold]{i}.[/bold] {r.question}", soft_wrap=True)
+        console.print(f"   {cfg.cache}: {_one_line(r.answer)}", soft_wrap=True, markup=False)
+        if r.answer_full is not None and not r.same_answer:
+            console.print(f"   full prefill: {_one_line(r.answer_full)}", soft_wrap=True, markup=False)
+    return report
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def demo_table(rows: list[DemoRow], cache: str) -> Table:
+    compare = bool(rows) and rows[0].ttft_full is not None
+    t = Table(title=f"time to first token, cache={cache}" + (" vs full prefill" if compare else ""),
+              caption="prefix cache: exact prefix hit; reused: from the segment cache, keys re-rotated; "
+                      "recomputed: reused tokens computed again" + ("; same answer: identical greedy text" if compare else ""),
+              box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
+    # two-line headers: the table must fit an 80-column console
+    cols = ["#", "prompt\ntokens", "prefix\ncache", "reused", "recom-\nputed", f"TTFT\n{cache}"]
+    if compare:
+        cols += ["TTFT\nfull", "speedup", "same\nanswer"]
+    for name in cols:
+        t.add_column(name, justify="center" if name == "same\nanswer" else "right", no_wrap=True)
+    for i, r in enumerate(rows, 1):
+        cells = [str(i), str(r.prompt_tokens), str(r.num_cached_tokens), str(r.num_reused_tokens),
+                 str(r.num_recomputed_tokens), f"{r.ttft * 1e3:.0f} ms"]
+        if compare:
+            cells += [f"{r.ttft_full * 1e3:.0f} ms", f"{r.speedup:.2f}x", "yes" if r.same_answer else "no"]
+        t.add_row(*cells)
+    t.add_section()
+    total = sum(r.ttft for r in rows)
+    cells = ["total", str(sum(r.prompt_tokens for r in rows)), str(sum(r.num_cached_tokens for r in rows)),
+             str(sum(r.num_reused_tokens for r in rows)), str(sum(r.num_recomputed_tokens for r in rows)),
+             f"{total * 1e3:.0f} ms"]
+    if compare:
+        total_full = sum(r.ttft_full for r in rows)
+        cells += [f"{total_full * 1e3:.0f} ms", f"{total_full / total:.2f}x",
+                  f"{sum(bool(r.same_answer) for r in rows)}/{len(rows)}"]
+    t.add_row(*cells, style="bold")
     return t
 
 
 def run_demo(cfg: DemoConfig, console: Console | None = None) -> int:
-    cfg.verify()
-    console = console or Console(highlight=False)
+    """`sparsex demo`: the exit status."""
     t0 = time.perf_counter()
-    dtype = str(parse_dtype(cfg.dtype)).removeprefix("torch.")
-    console.print(f"loading {cfg.model} ({dtype}, cache={cfg.cache}) ...")
-    llm = LLM(model=cfg.model, dtype=cfg.dtype, cache=cfg.cache, seed=cfg.seed)
-    requests = demo_requests(llm.get_tokenizer(), cfg.quick, cfg.seed)
-    console.print(f"{len(requests)} requests (RAG over Wikipedia passages + multi-turn chat), "
-                  f"greedy, max_tokens={cfg.max_tokens}\n")
-    ours = run_requests(llm, requests, cfg.max_tokens)
-    for i, res in enumerate(ours, 1):
-        _print_result(console, i, len(ours), res)
-    console.print()
-    console.print(stats_table(llm.llm_engine.stats(), cfg.cache))
-    del llm
-    if cfg.compare and cfg.cache != "none":
-        console.print("\nrerunning the same requests with cache=none ...")
-        base_llm = LLM(model=cfg.model, dtype=cfg.dtype, cache="none", seed=cfg.seed)
-        base = run_requests(base_llm, requests, cfg.max_tokens)
-        del base_llm
-        console.print(comparison_table(ours, base, cfg.cache))
+    console = console or Console(highlight=False)
+    demo(cfg, console)
     console.print(f"\ndone in {time.perf_counter() - t0:.0f} s")
     return 0

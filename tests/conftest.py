@@ -1,8 +1,20 @@
-"""Shared fixtures: the real SmolLM2 model (loaded once per session) and engine factories."""
+"""Shared fixtures (the real SmolLM2 model, loaded once per session, and engine factories) and the
+test lanes: a test is `unit` unless it loads the model (`model`) or needs CUDA (`gpu`); `bench` marks
+the `model` tests that run a workload benchmark.
+
+    unit   loads no model: block pool, hashing, index, scheduler with a stub, protocol validation,
+           selectors on synthetic tensors, config checks. `make test-fast` runs `pytest -m unit`.
+    model  loads the real SmolLM2 (or transformers' model on its weights), in a fixture or its body.
+    bench  runs a workload benchmark on the model.
+    gpu    needs CUDA (skipped without it).
+
+The marks are assigned here, from what a test uses, so test files need no marks of their own.
+"""
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +23,44 @@ from sparsex import LLM
 
 _LIBC_NAME = ctypes.util.find_library("c")
 _MALLOC_TRIM = getattr(ctypes.CDLL(_LIBC_NAME), "malloc_trim", None) if _LIBC_NAME else None   # glibc only
+
+
+# Fixtures that load the model or build an engine on it, where they are defined. A test that uses any
+# of them (directly or through another fixture: `item.fixturenames` is the closure) is `model`.
+MODEL_FIXTURES = frozenset({
+    "smollm2", "hf_model", "llm_prefix", "llm_none",   # this file
+    "fresh_smollm2",                                    # test_loader.py
+    "server", "strict", "offline",                      # test_server.py
+    "engines",                                          # test_workload_bench.py
+    "serve_process",                                    # test_server_cli.py
+    "demo_report",                                      # test_demo.py
+})
+# Tests that load the model in their own body (or in a subprocess), by module.
+MODEL_TESTS = {
+    "test_cli.py": {"test_generate_prints_text_and_stats", "test_generate_chat_with_segment_cache",
+                    "test_demo_quick_runs_end_to_end", "test_bench_throughput_and_prefill_tiny"},
+    "test_workload_bench.py": {"test_stream_end_to_end", "test_peer_vllm_exports_the_workload_and_prints_instructions"},
+    "test_loader.py": {"test_qwen_coder_loads"},
+}
+MODEL_MODULES = {"test_gpu_engine.py"}                 # every test in them loads the model
+BENCH_MODULES = {"test_workload_bench.py"}             # their `model` tests run a workload benchmark
+BENCH_TESTS = {"test_cli.py": {"test_bench_throughput_and_prefill_tiny"}}
+GPU_MODULES = {"test_gpu_engine.py", "test_triton_kernels.py"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = Path(str(item.fspath)).name
+        name = getattr(item, "originalname", item.name)       # without the parametrize suffix
+        is_model = (module in MODEL_MODULES or name in MODEL_TESTS.get(module, ())
+                    or not MODEL_FIXTURES.isdisjoint(item.fixturenames))
+        is_bench = is_model and (module in BENCH_MODULES or name in BENCH_TESTS.get(module, ()))
+        is_gpu = module in GPU_MODULES
+        for mark, on in (("model", is_model), ("bench", is_bench), ("gpu", is_gpu)):
+            if on:
+                item.add_marker(mark)
+        if not (is_model or is_gpu):
+            item.add_marker("unit")
 
 
 @pytest.fixture(autouse=True)

@@ -63,18 +63,10 @@ def test_generate_chat_with_segment_cache() -> None:
 
 @needs_smollm2
 def test_demo_quick_runs_end_to_end() -> None:
-    proc = run_cli("demo", "--quick", "--max-tokens", "4", "--threads", "1")
+    # the entry point and its flags; what the demo computes is checked on data in test_demo.py
+    proc = run_cli("demo", "--quick", "--no-compare", "--max-tokens", "4", "--dtype", "float32", "--threads", "1")
     assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
-    for field in ("[1/3] rag", "[3/3]", "Q: ", "A: ", "TTFT", "prefix-cached", "segment-reused", "recomputed",
-                  "cache statistics", "segment-cache hit tokens", "cache=none", "speedup"):
-        assert field in out, out
-    # Request 3 is the second RAG query; its 2 of the 3 pool passages overlap the first query's, so
-    # part of its prompt must come from a cache (prefix hit or reused segment).
-    lines = out.splitlines()
-    stats3 = next(ln for ln in lines[next(i for i, ln in enumerate(lines) if "[3/3]" in ln):] if "TTFT" in ln)
-    counts = {k: int(v) for k, v in re.findall(r"(prefix-cached|segment-reused) (\d+)", stats3)}
-    assert counts["prefix-cached"] + counts["segment-reused"] > 0, stats3
+    assert "Traceback" not in proc.stderr
 
 
 @needs_smollm2
