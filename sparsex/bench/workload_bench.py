@@ -67,7 +67,7 @@ if TYPE_CHECKING:       # heavy imports (torch) stay out of `sparsex --help`
     from sparsex.bench.policies import Policy
     from sparsex.bench.workloads import Request
     from sparsex.engine.llm_engine import LLMEngine
-    from sparsex.entrypoints.chat_utils import TokenizedPrompt
+    from sparsex.inputs import TokenizedPrompt
 
 WORKLOADS = ("rag", "chat", "agent")
 EVICTIONS = ("lru", "frequency")

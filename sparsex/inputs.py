@@ -10,7 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparsex.engine.request import SegmentSpan
+
+@dataclass(frozen=True)
+class SegmentSpan:
+    """A piece of the prompt that may be reused from, or registered in, the segment index."""
+    start: int        # token offset in the prompt
+    end: int          # exclusive
 
 
 @dataclass
