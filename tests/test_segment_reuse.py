@@ -710,7 +710,9 @@ def test_reused_spans_are_the_segment_hits_at_their_prompt_positions(llm_sx, pas
     from sparsex.outputs import ReusedSpan
     eng = llm_sx.llm_engine
     eng.reset_cache()
-    run_to_completion(eng, _prompt(eng, HEAD * 6, passages[:4], QUESTION), ONE)         # long head: reusable anywhere
+    first = _prompt(eng, HEAD * 20, passages[:4], QUESTION)
+    assert first.segments[1].start >= 128                    # a long head: every passage is reusable anywhere
+    run_to_completion(eng, first, ONE)
     p = pieces_prompt(eng, ["Another system prompt, so no prefix hit at all.\n" * 4, *passages[:4][::-1], QUESTION],
                       [False, True, True, True, True, False])
     assert len(p.segments) == 4
@@ -736,7 +738,7 @@ def test_reuse_skipped_says_why_found_segments_were_not_reused(llm_sx, passages)
     first = _prompt(eng, HEAD, passages[:2], QUESTION)                  # short head: passages[0] is early
     run_to_completion(eng, first, ONE)
     assert first.segments[1].start < 128 <= first.segments[2].start
-    head = "Another system prompt, so no prefix hit at all.\n" * 4
+    head = "Another system prompt, so no prefix hit at all.\n" * 12
     p = pieces_prompt(eng, [head, passages[1], passages[0], QUESTION], [False, True, True, False])
     assert p.segments[0].start >= 128
     hit = p.segments[0].end - p.segments[0].start                       # passages[1] only: passages[0] is early

@@ -354,28 +354,10 @@ def _keys(lo: int, hi: int) -> int:
 
 
 class PlanRecorder:
-    """Which prompt spans the blender reused for the last planned request (for `FlopModel`), and
-    how many tokens before them came from the approximate prefix chain (costed like cached ones).
-
-    The engine reports only the count of reused tokens; their positions set the attention cost,
-    so the bench wraps the blender's `plan` on this engine instance (requests run one at a time,
-    so the last plan is the current request's)."""
+    """Unused: `replay_policy` reads the reused spans from `RequestOutput.reused_spans`."""
 
     def __init__(self, engine: LLMEngine):
-        self.spans: list[tuple[int, int]] = []
-        self.prefix_hit = 0           # exact + approximate-chain prefix hit the plan started after
-        blender = engine.runner.blender
-        if blender is None:
-            return
-        plan = blender.plan
-
-        def recording_plan(req, num_prefix_hit):
-            result = plan(req, num_prefix_hit)
-            self.prefix_hit = num_prefix_hit
-            self.spans = [] if result is None else [(s.start, s.end) for s, _ in result.hits]
-            return result
-
-        blender.plan = recording_plan
+        pass
 
 
 # ============================================================================ engines
@@ -593,13 +575,14 @@ def replay_policy(cfg: WorkloadBenchConfig, policy: Policy, timed: LLMEngine, pl
         rag = req.workload == "rag"
         # timed run: the plain request, alone, to completion
         st0 = timed.stats()
-        plans.spans, plans.prefix_hit = [], 0
         params = SamplingParams(temperature=0, max_tokens=cfg.answer_tokens if rag else 1)
         out, _ = run_to_completion(timed, prompt, params, reuse=reuse)
         st1 = timed.stats()
         cached, reused, rec_n = out.num_cached_tokens, out.num_reused_tokens, out.num_recomputed_tokens
-        spans = plans.spans if reused else []
-        approx = plans.prefix_hit - cached if reused else 0       # the approximate chain's share
+        # where the reused tokens sit sets their attention cost; the approximate chain's share is
+        # costed like cached tokens
+        spans = [(s.start, s.end) for s in out.reused_spans if s.source == "segment"]
+        approx = sum(s.num_tokens for s in out.reused_spans if s.source == "approx_prefix")
         if sum(e - s for s, e in spans) + approx != reused:
             raise RuntimeError(f"{policy.name}/{req.request_id}: recorded spans cover "
                                f"{sum(e - s for s, e in spans)} + {approx} tokens, the engine reused {reused}")
