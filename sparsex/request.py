@@ -59,8 +59,8 @@ class Request:
     approx_block_hashes: list[BlockHash] = field(default_factory=list)   # approximate chain from block exact_prefix_len // block_size
     num_approx_cached_blocks: int = 0         # of approx_block_hashes, how many are registered in the pool
     segments_registered: bool = False
-    query_horizon: int | None = None          # evaluation only: new rows at/after it are teacher-forced
-                                              # continuation, hidden from query-side selection signals
+    query_horizon: int | None = None          # TokenizedPrompt.query_horizon: tokens at/after it are a
+                                              # scored continuation, hidden from reuse planning and selection
     # cache statistics of the (last) prefill: num_cached_tokens set at admission, the reuse counters
     # and spans from the step result of its first prefill step (RequestOutput's fields of those names)
     num_cached_tokens: int = 0

@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import json
 import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
