@@ -48,7 +48,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from sparsex import LLM, SamplingParams  # noqa: E402
 from sparsex.bench.policies import parse_knob  # noqa: E402
 from sparsex.bench.flop_model import FlopModel  # noqa: E402
-from sparsex.engine.forward_context import ForwardContext  # noqa: E402
+from sparsex.layers.forward_context import ForwardContext  # noqa: E402
+from sparsex.segment.step_blend import StepBlend  # noqa: E402
 from sparsex.layers.attention_metadata import AttentionMetadata  # noqa: E402
 from sparsex.models import loader  # noqa: E402
 
@@ -128,9 +129,7 @@ def make_llm(cache: str, kv_gib: float, share_from: LLM | None = None) -> LLM:
     if share_from is not None:
         # same seed -> same random weights; keep one copy on the GPU
         runner = llm.llm_engine.runner
-        runner.model = share_from.llm_engine.runner.model
-        if runner.blender is not None:
-            runner.blender.model = runner.model
+        runner.model = share_from.llm_engine.runner.model     # blends and merges read it at each step
         torch.cuda.empty_cache()
     if GC_FREEZE:
         gc.collect()
@@ -493,8 +492,9 @@ class BlendTimer:
     def __init__(self, runner):
         self.active = False
         self.events: dict[str, list[torch.cuda.Event]] = {}     # two-stage selection probes and selects twice
-        b = runner.blender
-        copy, probe, select = b._copy_reused, b._probe, b.select
+        # every step builds its own StepBlend: wrap the class's methods (restored by `close`)
+        self._originals = {name: getattr(StepBlend, name) for name in ("_copy_reused", "_probe", "select")}
+        copy, probe, select = (self._originals[n] for n in ("_copy_reused", "_probe", "select"))
 
         def timed_copy(*a, **k):
             self._rec("prep0"); copy(*a, **k); self._rec("prep1")
@@ -504,7 +504,7 @@ class BlendTimer:
 
         def timed_select(*a, **k):
             self._rec("sel0"); out = select(*a, **k); self._rec("sel1"); return out
-        b._copy_reused, b._probe, b.select = timed_copy, timed_probe, timed_select
+        StepBlend._copy_reused, StepBlend._probe, StepBlend.select = timed_copy, timed_probe, timed_select
         layers = runner.model.layers
         self.handles = [
             layers[0].register_forward_pre_hook(lambda m, a: self._rec("layer0")),
@@ -543,6 +543,8 @@ class BlendTimer:
     def close(self) -> None:
         for h in self.handles:
             h.remove()
+        for name, f in self._originals.items():
+            setattr(StepBlend, name, f)
 
 
 def _alloc_counts(since: dict[str, int] | None = None) -> dict[str, int]:
@@ -631,13 +633,12 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM,
                 q = rand_ids(48)
                 t["none"].append(_ttft(llm_none, prompt(v0 + r, q), f"n{k}-{r}-{label}")[0])
                 t["prefix"].append(_ttft(llm_prefix, prompt(v0 + r, q), f"p{k}-{r}-{label}")[0])
-                b = runner.blender
-                c0, s0 = b.copy_seconds, b.selection_seconds
+                c0, s0 = runner.timings.blend_copy_s, runner.timings.selection_s
                 m0 = _alloc_counts()
                 ts, o = _timed(timer, llm_sx, prompt(v0 + r, q), f"s{k}-{r}-{label}", splits, reuse=rv)
                 t["sparsex"].append(ts)
-                host.append({"copy_host_ms": 1e3 * (b.copy_seconds - c0),
-                             "selection_host_ms": 1e3 * (b.selection_seconds - s0),
+                host.append({"copy_host_ms": 1e3 * (runner.timings.blend_copy_s - c0),
+                             "selection_host_ms": 1e3 * (runner.timings.selection_s - s0),
                              "reused": o.num_reused_tokens, "recomputed": o.num_recomputed_tokens,
                              "candidates": o.num_candidate_tokens, "cached": o.num_cached_tokens,
                              "device_mallocs": _alloc_counts(m0)})
@@ -740,7 +741,7 @@ def section_blend_profile(llm_sx: LLM) -> None:
     separate repetition so the profiler's overhead stays out of the host numbers)."""
     import collections
     eng = llm_sx.llm_engine
-    runner, b = eng.runner, eng.runner.blender
+    runner = eng.runner
     phases: dict[str, float] = collections.defaultdict(float)
     wrapped = []
 
@@ -756,7 +757,7 @@ def section_blend_profile(llm_sx: LLM) -> None:
                 marks[label + ":exit"] = time.perf_counter()
                 phases[label] += 1e3 * (marks[label + ":exit"] - t)
         setattr(obj, name, timed)
-        wrapped.append((obj, name))
+        wrapped.append((obj, name, f))
     marks: dict[str, float] = {}
 
     def timed_request(prompt_, tag: str) -> tuple[float, float, float]:
@@ -768,9 +769,10 @@ def section_blend_profile(llm_sx: LLM) -> None:
         return 1e3 * wall, 1e3 * (marks["  model.forward (host):enter"] - t0), \
             1e3 * (t0 + wall - marks["  sample (host, waits for the GPU):exit"])
     for obj, name, label in ((eng, "add_request", "add_request"), (eng.scheduler, "schedule", "schedule (plan)"),
-                             (runner, "execute", "runner.execute"), (b, "_copy_reused", "  blender copy plan"),
-                             (b, "_probe", "  probe (host)"), (b, "select", "  select (host)"),
-                             (runner.model, "forward", "  model.forward (host)"), (b, "after_step", "after_step"),
+                             (runner, "execute", "runner.execute"), (StepBlend, "_copy_reused", "  blend copy plan"),
+                             (StepBlend, "_probe", "  probe (host)"), (StepBlend, "select", "  select (host)"),
+                             (runner.model, "forward", "  model.forward (host)"),
+                             (eng.registrar, "register", "register segments"),
                              (eng.kv, "cache_blocks", "cache_blocks"), (eng.kv, "cache_approx_blocks", "cache_approx_blocks"),
                              (runner, "_collect_sample", "  sample (host, waits for the GPU)")):
         wrap(obj, name, label)
@@ -798,8 +800,11 @@ def section_blend_profile(llm_sx: LLM) -> None:
         rows.append([f"{k} x {plen}", f"{wall:.1f}", f"{lead_ms:.1f} / {tail_ms:.1f}", " / ".join(f"{key.strip()} {v:.1f}" for key, v in host.items()),
                      f"{tl.get('span_ms', 0):.1f} / {tl.get('busy_ms', 0):.1f} / {tl.get('idle_ms', 0):.1f}",
                      str(tl.get("largest_gaps", [])[:3])])
-    for obj, name in wrapped:
-        delattr(obj, name)
+    for obj, name, f in wrapped:
+        if isinstance(obj, type):
+            setattr(obj, name, f)           # a class's method (StepBlend: one instance per step)
+        else:
+            delattr(obj, name)
     table("Blended prefill: host phases (ms, mean of 3) and the GPU timeline of one profiled request",
           ["prompt", "TTFT ms", "host before the first kernel / after the sampled token ms", "host phases ms", "GPU span / busy / idle ms", "largest GPU gaps (ms, before, after)"], rows)
     RESULTS["blend_profile"] = out

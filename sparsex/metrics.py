@@ -60,7 +60,8 @@ class ServerMetrics:
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive generated tokens.", _ITL_BUCKETS).labels(model_name)
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish (or abort).", _E2E_BUCKETS).labels(model_name)
         self.selection = hist("sparse_q_selection_seconds",
-                              "Time a step spent selecting tokens to recompute (segment reuse).",
+                              "Host time a blended step spent scoring and selecting tokens to recompute (segment reuse); "
+                              "on a GPU this is kernel launch time, not device time.",
                               _SELECTION_BUCKETS).labels(model_name)
         self.running = Gauge(_PREFIX + "num_requests_running", "Requests in the running batch.", lbl, registry=r).labels(model_name)
         self.waiting = Gauge(_PREFIX + "num_requests_waiting", "Requests waiting to be scheduled.", lbl, registry=r).labels(model_name)

@@ -1,5 +1,5 @@
-"""The blender's row selection without a device sync: the number of kept rows is computed on the
-host from the rule and the segment lengths (`Blender._keep_count`), so it must equal what the
+"""A blended step's row selection without a device sync: the number of kept rows is computed on the
+host from the rule and the segment lengths (`StepBlend._keep_count`), so it must equal what the
 device-side mask keeps, for every selector and knob combination; and the sync-free index
 extraction must equal torch.nonzero."""
 import itertools
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sparsex.config import ReuseConfig
-from sparsex.segment.blender import Blender, _SeqBlend, _true_indices
+from sparsex.segment.step_blend import StepBlend, _SeqBlend, _true_indices
 
 
 def _blend(seg_lens: list[int], reuse: ReuseConfig, seed: int) -> _SeqBlend:
@@ -17,15 +17,15 @@ def _blend(seg_lens: list[int], reuse: ReuseConfig, seed: int) -> _SeqBlend:
     seg_lo = torch.cat([torch.full((n,), sum(seg_lens[:i])) for i, n in enumerate(seg_lens)])
     n = len(offsets)
     b = _SeqBlend(request=None, reuse=reuse, reused_rows=torch.arange(n) + 5, reused_pos=seg_lo + offsets + 7,
-                  offsets=offsets, seg_lo=seg_lo, seq_index=0, seg_lens=seg_lens,
+                  offsets=offsets, seq_index=0, seg_lens=seg_lens,
                   query_rows=torch.arange(0))
     # ties included: scores drawn from few values, as bf16 deviations often are
     b.scores = torch.randint(0, 7, (n,), generator=g).float()
     return b
 
 
-def _blender() -> Blender:
-    bl = Blender.__new__(Blender)          # the selection needs no model, index or pool
+def _step_blend() -> StepBlend:
+    bl = StepBlend.__new__(StepBlend)      # the selection needs no forward context, model or pool
     bl._gen = torch.Generator().manual_seed(0)
     return bl
 
@@ -42,7 +42,7 @@ def test_host_count_matches_device_mask(selector, ratio, boundary_tokens, share)
     full_layers = 0 if selector in ("boundary", "random", "none", "all") else 2
     reuse = ReuseConfig(full_layers=full_layers, recompute_ratio=ratio, selector=selector,
                         boundary_tokens=boundary_tokens, boundary_share=share)
-    bl = _blender()
+    bl = _step_blend()
     for i, seg_lens in enumerate(SEGMENTS):
         b = _blend(seg_lens, reuse, seed=i)
         keep = bl._keep_mask(b)
@@ -62,7 +62,7 @@ def test_sparse_q_keeps_budget_and_top_scores():
     """sparse_q at r=0.15 keeps round(0.15 n) rows: half of them as segment starts, the rest the
     highest-scored of the others."""
     reuse = ReuseConfig(full_layers=2, recompute_ratio=0.15, selector="sparse_q", boundary_share=0.5)
-    bl = _blender()
+    bl = _step_blend()
     b = _blend([200, 200], reuse, seed=3)
     b.scores = torch.arange(400, dtype=torch.float32)         # later rows score higher
     keep = bl._keep_mask(b)
@@ -83,7 +83,7 @@ def test_two_stage_counts_match_masks_and_nest(ratio, candidates, boundary_token
                         boundary_share=share, rescore_layers=2, candidate_ratio=candidates)
     one = ReuseConfig(full_layers=2, recompute_ratio=ratio, selector="sparse_q", boundary_tokens=boundary_tokens,
                       boundary_share=share)
-    bl = _blender()
+    bl = _step_blend()
     for i, seg_lens in enumerate(SEGMENTS):
         b = _blend(seg_lens, reuse, seed=i)
         n = b.reused_rows.numel()
@@ -119,7 +119,7 @@ def test_default_boundary_share_is_a_quarter_of_the_budget():
     assert reuse.boundary_share == 0.25
     b = _blend([200, 200], reuse, seed=3)
     b.scores = torch.arange(400, dtype=torch.float32)
-    keep = _blender()._keep_mask(b)
+    keep = _step_blend()._keep_mask(b)
     per_segment = round(0.25 * 60) // 2                        # 7 leading tokens of each segment
     assert bool(keep[b.offsets < per_segment].all()) and not bool(keep[b.offsets == per_segment][0])
     assert int(keep.sum()) == 60

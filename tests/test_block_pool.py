@@ -7,7 +7,7 @@ from sparsex.cache import block_hash as bh
 from sparsex.cache.block_pool import BlockPool
 from sparsex.cache.kv_cache_manager import KVCacheManager
 from sparsex.config import ReuseConfig
-from sparsex.engine.request import Request
+from sparsex.request import Request
 from sparsex.sampling_params import SamplingParams
 
 

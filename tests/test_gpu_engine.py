@@ -93,45 +93,46 @@ def test_every_cache_policy_runs(cache, cpu_greedy):
 
 
 @pytest.mark.parametrize("rescore_layers", [0, 2, None])   # None: the default (two stages)
-def test_cuda_selection_scores_equal_the_torch_selectors(cpu_greedy, rescore_layers):
-    """The blender's CUDA scores (triton_probe: the deviation before the layer's K/V store, the query
+def test_cuda_selection_scores_equal_the_torch_selectors(cpu_greedy, rescore_layers, monkeypatch):
+    """A blended step's CUDA scores (triton_probe: the deviation before the layer's K/V store, the query
     mass from the paged cache after it) equal the torch selectors' on the same step's tensors, at
     both stages of a two-stage selection."""
     from sparsex.segment import selectors
+    from sparsex.segment.step_blend import StepBlend
     llm = LLM(device="cuda", dtype="float32", cache="sparsex", seed=0, kv_cache_memory=1 << 28)
-    blender = llm.llm_engine.runner.blender
     long = cpu_greedy["cases"][-1]["prompt_token_ids"]
     sys_ids, question = long[:24], long[-40:]
     passages = [long[24 + i * 160: 24 + (i + 1) * 160] for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     llm.generate({"segments": [sys_ids, *passages, question]}, params, use_tqdm=False)
-    probe, finish, checked = blender._probe, blender._finish_sparse_q, []
+    probe, finish, checked = StepBlend._probe, StepBlend._finish_sparse_q, []
 
-    def checked_probe(layer_idx, q, k, v, k_cache, v_cache, ctx):
-        probe(layer_idx, q, k, v, k_cache, v_cache, ctx)
+    def checked_probe(blend, layer_idx, q, k, v, k_cache, v_cache, ctx):
+        probe(blend, layer_idx, q, k, v, k_cache, v_cache, ctx)
         md = ctx.attn_metadata
-        for b in blender._seqs:
+        for b in blend._seqs:
             if b.layer == layer_idx:
-                cur = blender._current_rows(ctx, b.reused_rows)
+                cur = blend._current_rows(ctx, b.reused_rows)
                 slots = md.slot_mapping[cur]
                 ref = selectors.kv_deviation_scores(k[cur], v[cur], k_cache.view(-1, *k_cache.shape[2:])[slots],
                                                     v_cache.view(-1, *v_cache.shape[2:])[slots])
                 assert b.pending is not None and torch.allclose(b.pending[0], ref, rtol=1e-4, atol=1e-4)
 
-    def checked_finish(b, layer_idx, ctx):
+    def checked_finish(blend, b, layer_idx, ctx):
         dev, q = b.pending
-        out = finish(b, layer_idx, ctx)
+        out = finish(blend, b, layer_idx, ctx)
         md, si = ctx.attn_metadata, b.seq_index
         k_cache = ctx.kv_caches[layer_idx][0]
         n, bs = md.seq_lens_cpu[si], k_cache.shape[1]
         keys = k_cache[md.block_tables[si, :(n + bs - 1) // bs].long()].flatten(0, 1)[:n]   # fresh K stored
-        rows = blender._current_rows(ctx, b.query_rows)
+        rows = blend._current_rows(ctx, b.query_rows)
         imp = selectors.query_attention_mass(q[rows], keys, md.positions[rows], q.shape[-1] ** -0.5)[b.reused_pos]
         ref = dev * (1.0 + imp / imp.mean())                                  # selectors.sparse_q_scores, by hand
         assert ((out - ref).norm() / ref.norm()).item() < 1e-2
         checked.append(layer_idx)
         return out
-    blender._probe, blender._finish_sparse_q = checked_probe, checked_finish
+    monkeypatch.setattr(StepBlend, "_probe", checked_probe)
+    monkeypatch.setattr(StepBlend, "_finish_sparse_q", checked_finish)
     reuse = None if rescore_layers is None else {"rescore_layers": rescore_layers, "candidate_ratio": 0.5}
     out = llm.generate({"segments": [sys_ids, *passages[2:], *passages[:2], question]}, params,
                        use_tqdm=False, reuse=reuse)[0]

@@ -12,7 +12,6 @@ from sparsex.layers.attention_backend import TorchAttentionBackend
 from sparsex.layers.attention_metadata import AttentionMetadata
 from sparsex.layers.rotary_embedding import RotaryEmbedding, rotate
 from sparsex.layers.triton_rerotate import copy_and_rerotate_torch
-from sparsex.segment import blender as blender_mod
 
 ONE = SamplingParams(temperature=0.0, max_tokens=1)
 
@@ -317,10 +316,10 @@ def test_query_attention_mass_matches_per_head_softmax():
 
 
 def test_rows_dropped_inside_the_selection_layer_equal_full_layer_then_drop(llm_sx, passages):
-    """The blender drops rows inside layer F-1, once it has stored every row's K/V: the kept rows'
+    """A blended step drops rows inside layer F-1, once it has stored every row's K/V: the kept rows'
     outputs and every K/V written must equal running layer F-1 on all rows and dropping after it
     (the dropped rows' layer F-1 outputs are read by nothing)."""
-    from sparsex.engine.forward_context import ForwardContext
+    from sparsex.layers.forward_context import ForwardContext
 
     runner = llm_sx.llm_engine.runner
     model, cfg = runner.model, llm_sx.llm_engine.model_config
@@ -443,34 +442,31 @@ def test_teacher_forced_run_plans_the_same_hits_as_the_plain_request(llm_sx, pas
     assert tf.num_recomputed_tokens == plain.num_recomputed_tokens
 
 
-def test_kv_deviation_is_context_signal_only_after_one_full_layer(llm_sx, passages):
+def test_kv_deviation_is_context_signal_only_after_one_full_layer(llm_sx, passages, monkeypatch):
     """Layer 0's K/V depend on token and position only, so a reused segment's re-rotated layer-0
     keys equal freshly computed ones up to rounding: a deviation probe there ranks noise. The
     `cacheblend` benchmark policy therefore probes layer 1 after one full layer (full_layers=2, as
     LMCache's CacheBlend checks layer 1), where the new context has changed the keys."""
     from sparsex.bench.policies import NAMED_POLICIES
-    from sparsex.segment.blender import selection_layer
+    from sparsex.segment.step_blend import StepBlend, selection_layer
 
     assert selection_layer(NAMED_POLICIES["cacheblend"].knobs()) == 1
     eng = llm_sx.llm_engine
-    b = eng.runner.blender
     eng.reset_cache()
     run_to_completion(eng, _prompt(eng, HEAD * 6, passages[:3], QUESTION), ONE)          # long head: reusable anywhere
     p = _prompt(eng, "Another system prompt, so no prefix hit at all.\n" * 4, passages[:3][::-1], QUESTION)
-    scores, probe = {}, b._probe
+    scores, probe = {}, StepBlend._probe
 
-    def spy(layer_idx, q, k, v, k_cache, v_cache, ctx):
-        probe(layer_idx, q, k, v, k_cache, v_cache, ctx)
+    def spy(b, layer_idx, q, k, v, k_cache, v_cache, ctx):
+        probe(b, layer_idx, q, k, v, k_cache, v_cache, ctx)
         cur = b._current_rows(ctx, b._seqs[0].reused_rows)
         scores[layer_idx] = (b._seqs[0].scores.clone(), k[cur].float().pow(2).sum(dim=(-1, -2)))
-    b._probe = spy
-    try:
-        for f in (1, 2):
-            out, _ = run_to_completion(eng, p, ONE, reuse={"selector": "kv_deviation", "full_layers": f,
-                                                           "approx_prefix": False})
-            assert out.num_reused_tokens > 300
-    finally:
-        del b._probe
+    monkeypatch.setattr(StepBlend, "_probe", spy)
+    for f in (1, 2):
+        out, _ = run_to_completion(eng, p, ONE, reuse={"selector": "kv_deviation", "full_layers": f,
+                                                       "approx_prefix": False})
+        assert out.num_reused_tokens > 300
+    monkeypatch.undo()
     (dev0, norm0), (dev1, norm1) = scores[0], scores[1]
     rel0, rel1 = (dev0 / norm0).median().item(), (dev1 / norm1).median().item()
     assert rel0 < 1e-8, rel0                     # fp32 rounding of the re-rotation
@@ -704,3 +700,58 @@ def test_merged_encodings_are_the_mean_of_exact_encodings_and_copy_on_write(llm_
     for bad in ({"merge_encodings": 0}, {"merge_encodings": 1.5}, {"blend": "no"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             run_to_completion(eng, a, ONE, reuse=bad)
+
+
+def test_reused_spans_are_the_segment_hits_at_their_prompt_positions(llm_sx, passages):
+    """`RequestOutput.reused_spans`: every segment hit, at its position in this prompt (the
+    `TokenizedPrompt.segments` span), adding up to num_reused_tokens; a repeat of the blended
+    prompt continues its exact hit along the approximate chain, reported as "approx_prefix" from
+    the end of the exact hit, and still adds up."""
+    from sparsex.outputs import ReusedSpan
+    eng = llm_sx.llm_engine
+    eng.reset_cache()
+    first = _prompt(eng, HEAD * 20, passages[:4], QUESTION)
+    assert first.segments[1].start >= 128                    # a long head: every passage is reusable anywhere
+    run_to_completion(eng, first, ONE)
+    p = pieces_prompt(eng, ["Another system prompt, so no prefix hit at all.\n" * 4, *passages[:4][::-1], QUESTION],
+                      [False, True, True, True, True, False])
+    assert len(p.segments) == 4
+    out, _ = run_to_completion(eng, p, ONE, reuse={"approx_prefix": False})
+    assert out.reused_spans == [ReusedSpan(s.start, s.end, "segment") for s in p.segments]
+    assert sum(s.num_tokens for s in out.reused_spans) == out.num_reused_tokens > 400
+    assert p.token_ids[p.segments[0].start:p.segments[0].end] == \
+        eng.tokenizer.encode(passages[3], add_special_tokens=False)
+    assert out.reuse_skipped is None
+    run_to_completion(eng, p, ONE)                 # blends again, leaving its blocks on the approximate chain
+    again, _ = run_to_completion(eng, p, ONE)
+    approx = [s for s in again.reused_spans if s.source == "approx_prefix"]
+    assert len(approx) == 1 and approx[0].start == again.num_cached_tokens and approx[0].num_tokens > 0
+    assert sum(s.num_tokens for s in again.reused_spans) == again.num_reused_tokens
+
+
+def test_reuse_skipped_says_why_found_segments_were_not_reused(llm_sx, passages):
+    """`RequestOutput.reuse_skipped`: hits under min_blend_tokens (with both numbers), entries
+    encoded right after a short head met later in a prompt, and blend=False; None when every hit
+    blended."""
+    eng = llm_sx.llm_engine
+    eng.reset_cache()
+    first = _prompt(eng, HEAD, passages[:2], QUESTION)                  # short head: passages[0] is early
+    run_to_completion(eng, first, ONE)
+    assert first.segments[1].start < 128 <= first.segments[2].start
+    head = "Another system prompt, so no prefix hit at all.\n" * 12
+    p = pieces_prompt(eng, [head, passages[1], passages[0], QUESTION], [False, True, True, False])
+    assert p.segments[0].start >= 128
+    hit = p.segments[0].end - p.segments[0].start                       # passages[1] only: passages[0] is early
+
+    def run(**reuse):
+        eng.kv.pool.reset_prefix_cache(include_in_use=True)            # no exact hit of an earlier run
+        return run_to_completion(eng, p, ONE, reuse={"approx_prefix": False, **reuse})[0]
+
+    early = "1 segment computed right after a short head (min_context_tokens=128): recomputed"
+    out = run(min_blend_tokens=hit + 1)
+    assert out.reuse_skipped == f"{early}; hits below min_blend_tokens ({hit} < {hit + 1})"
+    assert out.reused_spans == [] and out.num_reused_tokens == 0
+    out = run(min_context_tokens=0, min_blend_tokens=0)                  # early entries serve anywhere
+    assert out.reuse_skipped is None and out.num_reused_tokens == sum(s.end - s.start for s in p.segments)
+    out = run(blend=False)
+    assert out.reuse_skipped == "blend=False: computed exactly" and out.num_reused_tokens == 0

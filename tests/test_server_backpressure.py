@@ -14,7 +14,7 @@ import pytest
 from sparsex.engine.llm_engine import EngineStats
 from sparsex.entrypoints.async_engine import AsyncLLM, EngineClosedError
 from sparsex.entrypoints.background_server import BackgroundServer
-from sparsex.entrypoints.chat_utils import TokenizedPrompt
+from sparsex.inputs import TokenizedPrompt
 from sparsex.entrypoints.openai_server import build_app
 from sparsex.entrypoints.settings import ServerSettings
 from sparsex.outputs import CompletionOutput, RequestMetrics, RequestOutput

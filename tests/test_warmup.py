@@ -9,7 +9,6 @@ import pytest
 
 from sparsex import LLM, SamplingParams
 from sparsex.config import EngineConfig
-from sparsex.engine.warmup import warm_up
 
 
 def _empty(engine) -> None:
@@ -19,7 +18,7 @@ def _empty(engine) -> None:
     assert st.num_segment_entries == 0 and st.num_running == st.num_waiting == 0
     usage = engine.kv.pool.usage()
     assert usage.num_free == usage.num_blocks and not engine.kv.pool.cached
-    assert engine.runner.blender.reused_tokens == 0 and engine.runner.timings.forward_s == 0.0
+    assert engine.num_recomputed_tokens == 0 and engine.runner.timings.forward_s == 0.0
     assert not engine.requests
     engine.check_integrity()
 
@@ -37,7 +36,7 @@ def test_warm_up_runs_the_prefix_and_blend_paths(smollm2):
     llm = LLM(cache="sparsex", dtype="float32", seed=0, num_blocks=512)
     engine = llm.llm_engine
     _empty(engine)
-    seconds = warm_up(engine)
+    seconds = engine.warm_up()
     assert seconds > 0.0
     st = engine.stats()
     assert st.prefix_cache_hits > 0                      # r2 extended r1's cached prefix
@@ -69,7 +68,7 @@ def test_a_warmed_engine_serves_like_a_cold_one(smollm2, wiki_texts):
 def test_other_cache_modes_warm_up_without_blending(smollm2, cache):
     llm = LLM(cache=cache, dtype="float32", seed=0, num_blocks=256, warmup=True)
     engine = llm.llm_engine
-    assert engine.warmup_seconds > 0.0 and engine.runner.blender is None
+    assert engine.warmup_seconds > 0.0 and engine.planner is None and engine.registrar is None
     st = engine.stats()
     assert (st.prefix_cache_queries, st.prefix_cache_hits) == (0, 0)
     engine.check_integrity()
@@ -84,5 +83,5 @@ def test_a_pool_too_small_skips_the_warm_up(smollm2):
 
 def test_segments_follow_the_engines_min_segment_tokens(smollm2):
     llm = LLM(cache="sparsex", dtype="float32", seed=0, num_blocks=512, min_segment_tokens=300)
-    warm_up(llm.llm_engine)
+    llm.llm_engine.warm_up()
     assert llm.llm_engine.stats().segment_cache_hits >= 2 * 300     # still blended, with longer segments

@@ -201,7 +201,7 @@ def test_reference_continuation_stops_at_eos(engines) -> None:
     """The fidelity reference is what a served request would produce: greedy tokens through the first
     EOS (scored: stopping is a decision), at most fidelity_tokens. Past EOS the model writes template
     tokens no user sees, which a policy nearly always agrees on; `past_eos` keeps them (fixed length)."""
-    engine, _ = engines.take("none", "timed", 64)
+    engine = engines.take("none", "timed", 64)
     prompt = engine.chat_to_prompt([{"role": "user", "content": "What is the capital of France? Answer in one word."}])
     stopped = compute_reference(engine, prompt, 16, None)
     past = compute_reference(engine, prompt, 16, None, past_eos=True)
@@ -235,7 +235,7 @@ def test_rag_prewarm_ingests_every_passage_before_the_replay(tmp_path, engines) 
     # the later ingestion passes compute every passage again in another grouping and merge that
     # encoding into its entry: at most one merge per passage and later pass
     env = json.loads((tmp_path / "warm" / "summary.json").read_text())["environment"]
-    passages = {p for r in build_workload(cfg, engines.take("none", "timed", 1, warm=False)[0].tokenizer)
+    passages = {p for r in build_workload(cfg, engines.take("none", "timed", 1, warm=False).tokenizer)
                 for p in r.segments[1:-1]}
     assert env["prewarm_passes"] == 3 and 1 <= env["merged_encodings"] <= 2 * len(passages)
     w = tokenized_workload(engines, lambda tok: build_workload(cfg, tok), prewarm=True,

@@ -8,31 +8,6 @@ if TYPE_CHECKING:
     from sparsex.engine.llm_engine import LLMEngine
 
 
-class PlanRecorder:
-    """Which prompt spans the blender reused for the last planned request (for `FlopModel`), and
-    how many tokens before them came from the approximate prefix chain (costed like cached ones).
-
-    The engine reports only the count of reused tokens; their positions set the attention cost,
-    so the bench wraps the blender's `plan` on this engine instance (requests run one at a time,
-    so the last plan is the current request's)."""
-
-    def __init__(self, engine: LLMEngine):
-        self.spans: list[tuple[int, int]] = []
-        self.prefix_hit = 0           # exact + approximate-chain prefix hit the plan started after
-        blender = engine.runner.blender
-        if blender is None:
-            return
-        plan = blender.plan
-
-        def recording_plan(req, num_prefix_hit):
-            result = plan(req, num_prefix_hit)
-            self.prefix_hit = num_prefix_hit
-            self.spans = [] if result is None else [(s.start, s.end) for s, _ in result.hits]
-            return result
-
-        blender.plan = recording_plan
-
-
 class EngineCache:
     """Engines by (cache mode, role, eviction policy), built on first use; `release` drops them.
 
@@ -43,15 +18,15 @@ class EngineCache:
 
     def __init__(self, model: str, dtype: str, seed: int = 0, device: str = "cpu"):
         self.model, self.dtype, self.seed, self.device = model, dtype, seed, device
-        self._engines: dict[tuple[str, str, str], tuple[LLMEngine, PlanRecorder]] = {}
+        self._engines: dict[tuple[str, str, str], LLMEngine] = {}
 
     def take(self, cache: str, role: str, num_blocks: int, eviction: str = "frequency",
-             warm: bool = True) -> tuple[LLMEngine, PlanRecorder]:
+             warm: bool = True) -> LLMEngine:
         from sparsex.config import EngineConfig, ReuseConfig
         from sparsex.engine.llm_engine import LLMEngine
 
         key = (cache, role, eviction)
-        if key in self._engines and self._engines[key][0].config.num_blocks != num_blocks:
+        if key in self._engines and self._engines[key].config.num_blocks != num_blocks:
             self._drop([key])
         if key not in self._engines:
             engine = LLMEngine(EngineConfig(model=self.model, dtype=self.dtype, device=self.device, cache=cache, seed=self.seed,
@@ -59,11 +34,11 @@ class EngineCache:
                                             reuse=ReuseConfig()))
             if warm:
                 _warm_up(engine)
-            self._engines[key] = (engine, PlanRecorder(engine))
-        engine, rec = self._engines[key]
+            self._engines[key] = engine
+        engine = self._engines[key]
         engine.reset_cache()
         engine.check_integrity()
-        return engine, rec
+        return engine
 
     def release(self, cache: str | None = None) -> None:
         self._drop([k for k in self._engines if cache is None or k[0] == cache])
@@ -71,7 +46,7 @@ class EngineCache:
     def _drop(self, keys: list[tuple[str, str, str]]) -> None:
         for key in keys:
             del self._engines[key]
-        gc.collect()        # a PlanRecorder's wrapper and its engine's blender refer to each other
+        gc.collect()        # an engine holds GBs of KV pool: free it before the next one is built
 
 
 def _warm_up(engine: LLMEngine) -> None:

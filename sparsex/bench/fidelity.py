@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsex.engine.llm_engine import LLMEngine
-from sparsex.entrypoints.chat_utils import TokenizedPrompt, tokenize_pieces
+from sparsex.inputs import TokenizedPrompt, tokenize_pieces
 from sparsex.outputs import RequestOutput
 from sparsex.sampling_params import SamplingParams
 

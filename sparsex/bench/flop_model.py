@@ -61,7 +61,7 @@ class FlopModel:
         linear FLOPs.
 
         Rows at positions [num_cached, num_prompt) run layers 0..S-1 in full (S = max(F-1, 0), the
-        selection layer, blender.selection_layer); layer S computes every row's q/k/v and the rest
+        selection layer, step_blend.selection_layer); layer S computes every row's q/k/v and the rest
         for the kept rows only; layers S+1.. run the kept rows: the new rows (outside
         `reused_spans`) plus `num_recomputed` reused rows. Which reused rows the selector kept is
         not reported by the engine, so their attention is costed at the reused rows' mean position

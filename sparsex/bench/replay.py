@@ -12,11 +12,10 @@ from sparsex.bench.flop_model import FlopModel
 from sparsex.bench.workload_config import WorkloadBenchConfig
 
 if TYPE_CHECKING:
-    from sparsex.bench.engine_cache import PlanRecorder
     from sparsex.bench.policies import Policy
     from sparsex.bench.workloads import Request
     from sparsex.engine.llm_engine import LLMEngine
-    from sparsex.entrypoints.chat_utils import TokenizedPrompt
+    from sparsex.inputs import TokenizedPrompt
 
 
 @dataclass
@@ -132,7 +131,7 @@ def replay_reference(cfg: WorkloadBenchConfig, engine: LLMEngine, requests: list
     return refs, records
 
 
-def replay_policy(cfg: WorkloadBenchConfig, policy: Policy, timed: LLMEngine, plans: PlanRecorder,
+def replay_policy(cfg: WorkloadBenchConfig, policy: Policy, timed: LLMEngine,
                   twin: LLMEngine | None, requests: list[Request], prompts: list[TokenizedPrompt],
                   refs: list[Reference] | None, fid: list[bool], flops: FlopModel) -> list[RequestRecord]:
     from sparsex.bench.fidelity import run_to_completion, teacher_forced
@@ -149,13 +148,14 @@ def replay_policy(cfg: WorkloadBenchConfig, policy: Policy, timed: LLMEngine, pl
         rag = req.workload == "rag"
         # timed run: the plain request, alone, to completion
         st0 = timed.stats()
-        plans.spans, plans.prefix_hit = [], 0
         params = SamplingParams(temperature=0, max_tokens=cfg.answer_tokens if rag else 1)
         out, _ = run_to_completion(timed, prompt, params, reuse=reuse)
         st1 = timed.stats()
         cached, reused, rec_n = out.num_cached_tokens, out.num_reused_tokens, out.num_recomputed_tokens
-        spans = plans.spans if reused else []
-        approx = plans.prefix_hit - cached if reused else 0       # the approximate chain's share
+        # where the reused tokens sit sets their attention cost; the approximate chain's share is
+        # costed like cached tokens
+        spans = [(s.start, s.end) for s in out.reused_spans if s.source == "segment"]
+        approx = sum(s.num_tokens for s in out.reused_spans if s.source == "approx_prefix")
         if sum(e - s for s, e in spans) + approx != reused:
             raise RuntimeError(f"{policy.name}/{req.request_id}: recorded spans cover "
                                f"{sum(e - s for s, e in spans)} + {approx} tokens, the engine reused {reused}")

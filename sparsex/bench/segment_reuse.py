@@ -13,13 +13,12 @@ import argparse
 import dataclasses
 import json
 import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
 from sparsex.bench.fidelity import FidelityResult, pieces_prompt, reference, run_to_completion, teacher_forced
-from sparsex.bench.workload_bench import FlopModel
+from sparsex.bench.flop_model import FlopModel
 from sparsex.bench.workloads import rag_workload
 from sparsex.config import EngineConfig, ReuseConfig
 from sparsex.engine.llm_engine import LLMEngine
@@ -81,7 +80,6 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--tokens", type=int, default=24, help="teacher-forced continuation length")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", default=None, help="selector:F:ratio,... (default: the standard set)")
-    ap.add_argument("--sparse-q-variant", default=None, help="dev_qrel | xseg | qrel (measurement)")
     ap.add_argument("--boundary-share", type=float, default=None, help="sparse_q: budget share for segment starts")
     ap.add_argument("--ttft", action="store_true", help="time TTFT of none / prefix / sparsex instead of fidelity")
     ap.add_argument("--out", default=None, help="write per-query JSON here")
@@ -95,8 +93,6 @@ def main(argv: list[str] | None = None) -> list[Row]:
     pol = _engine(args.model, args.dtype, "sparsex", device=args.device)
     if args.boundary_share is not None:
         pol.config.reuse = dataclasses.replace(pol.config.reuse, boundary_share=args.boundary_share)
-    if args.sparse_q_variant:
-        pol.runner.blender.sparse_q_variant = args.sparse_q_variant
     pairs = build_queries(ref, args.queries, args.passages, args.seed)
     refs = [reference(ref, ev, args.tokens) for ev, _ in pairs]
     for _, pr in pairs:
@@ -105,9 +101,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     rows, per_query = [], {}
     for sel, F, ratio in variants:
         reuse = {"selector": sel, "full_layers": F, "recompute_ratio": ratio, "rescore_layers": 0}   # one-stage rules
-        sel0 = pol.runner.blender.selection_seconds
+        sel0 = pol.runner.timings.selection_s
         results = [teacher_forced(pol, ev, cont, lps, reuse=reuse) for (ev, _), (cont, lps) in zip(pairs, refs)]
-        sel_s = pol.runner.blender.selection_seconds - sel0
+        sel_s = pol.runner.timings.selection_s - sel0
         kls = sorted(r.kl for r in results)
         row = Row(sel, F, ratio, statistics.mean(r.top1 for r in results), statistics.mean(kls),
                   kls[int(0.9 * (len(kls) - 1))], statistics.mean(r.match_len for r in results),
@@ -134,14 +130,14 @@ def ttft_table(args) -> list:
             run_to_completion(eng, pr, one)
     rows = []
     sx = engines["sparsex"]
-    sel0, copy0 = sx.runner.blender.selection_seconds, sx.runner.blender.copy_seconds
+    sel0, copy0 = sx.runner.timings.selection_s, sx.runner.timings.blend_copy_s
     # interleaved per query, so a change in machine load hits every policy alike
     res = {c: [] for c in engines}
     for ev, _ in pairs:
         for c, eng in engines.items():
             res[c].append(run_to_completion(eng, ev, one)[0])
-    sel = (sx.runner.blender.selection_seconds - sel0) / len(pairs)
-    copy = (sx.runner.blender.copy_seconds - copy0) / len(pairs)
+    sel = (sx.runner.timings.selection_s - sel0) / len(pairs)          # host seconds
+    copy = (sx.runner.timings.blend_copy_s - copy0) / len(pairs)
     base = statistics.mean(o.metrics.ttft for o in res["none"])
     print(f"prompts: {statistics.mean(len(o.prompt_token_ids) for o in res['none']):.0f} tokens on average, "
           f"{args.passages} passages, {args.queries} queries, {args.dtype}, torch threads {torch.get_num_threads()}")

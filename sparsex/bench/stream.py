@@ -71,7 +71,7 @@ def run_stream(cfg: StreamConfig) -> list[StreamSummary]:
     summaries, records = [], []
     params = SamplingParams(temperature=0, max_tokens=cfg.max_tokens)
     for ev in cfg.evictions:
-        engine, _ = engines.take("sparsex", "timed", num_blocks, eviction=ev)
+        engine = engines.take("sparsex", "timed", num_blocks, eviction=ev)
         ins0, evi0 = engine.segment_index.num_inserted, engine.segment_index.num_evicted
         pre0 = engine.stats().num_preemptions
         recs = []

@@ -60,7 +60,6 @@ import time
 from typing import Any
 
 from sparsex.bench.engine_cache import EngineCache
-from sparsex.bench.flop_model import FlopModel  # noqa: F401  (sparsex.bench.segment_reuse imports it from here)
 from sparsex.bench.peer import run_peer
 from sparsex.bench.plots import plot_pareto, plot_ttft_cdf
 from sparsex.bench.policy_summary import PolicySummary, compare_to_default, summarize
@@ -99,7 +98,7 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
     need_ref = any(fid) or cfg.workload == "rag" or any(p.name == "none" for p in policies)
     refs, records = None, []
     if need_ref:
-        ref_engine, _ = engines.take("none", "timed", max(ref_blocks, cfg.num_blocks or 0))
+        ref_engine = engines.take("none", "timed", max(ref_blocks, cfg.num_blocks or 0))
         refs, none_records = replay_reference(cfg, ref_engine, requests, prompts, fid, flops,
                                               keep=any(p.name == "none" for p in policies))
         records += none_records
@@ -118,15 +117,15 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
     for cache in ("prefix", "sparsex"):
         group = [p for p in policies if p.cache == cache]
         for policy in group:
-            timed, plans = engines.take(cache, "timed", num_blocks)
-            twin = engines.take(cache, "twin", num_blocks)[0] if any(fid) else None
+            timed = engines.take(cache, "timed", num_blocks)
+            twin = engines.take(cache, "twin", num_blocks) if any(fid) else None
             for engine in (timed, twin) if cfg.prewarm else ():
                 if engine is not None:
                     ingest_corpus(engine, w)          # into a freshly reset engine: every merge is in its index
                     if engine.segment_index is not None:
                         merged = sum(e.num_encodings - 1 for e in engine.segment_index.entries.values())
-            records += replay_policy(cfg, policy, timed, plans, twin, requests, prompts, refs, fid, flops)
-            del timed, plans, twin
+            records += replay_policy(cfg, policy, timed, twin, requests, prompts, refs, fid, flops)
+            del timed, twin
         if own:
             engines.release(cache)
 

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from sparsex.bench.engine_cache import EngineCache
     from sparsex.bench.workloads import Request
     from sparsex.engine.llm_engine import LLMEngine
-    from sparsex.entrypoints.chat_utils import TokenizedPrompt
+    from sparsex.inputs import TokenizedPrompt
 
 
 def ingestion_preamble(cfg: WorkloadBenchConfig, tokenizer: Any, used: set[str]) -> str:
@@ -67,7 +67,7 @@ def tokenized_workload(engines: EngineCache, make: Callable[[Any], list[Request]
     """The workload built with a one-block engine's tokenizer: only the tokenizer and the model's
     shape are needed, and the KV pools are sized from the prompts."""
     from sparsex.bench.fidelity import pieces_prompt
-    probe, _ = engines.take("none", "timed", 1, warm=False)
+    probe = engines.take("none", "timed", 1, warm=False)
     requests = make(probe.tokenizer)
     prompts = [pieces_prompt(probe, r.segments, [True] * len(r.segments)) for r in requests]
     warm, rewarm = [], []

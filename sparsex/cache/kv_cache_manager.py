@@ -19,7 +19,7 @@ from typing import Callable
 
 from sparsex.cache.block_hash import compute_block_hashes, iter_block_hashes
 from sparsex.cache.block_pool import BlockPool, KVCacheBlock
-from sparsex.engine.request import Request
+from sparsex.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sparsex.engine.forward_context import ForwardContext
+from sparsex.layers.forward_context import ForwardContext
 from sparsex.engine.host_inputs import PinnedUploader
 from sparsex.layers.attention_metadata import AttentionMetadata
 

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -16,14 +17,19 @@ import torch
 from sparsex.cache.kv_cache_manager import KVCacheManager, cdiv
 from sparsex.config import EngineConfig, ReuseConfig
 from sparsex.engine.detokenizer import IncrementalDetokenizer
-from sparsex.engine.model_runner import ModelRunner, StepTimings
-from sparsex.engine.request import Request, RequestStatus
-from sparsex.engine.scheduler import Scheduler
-from sparsex.engine.warmup import warm_up
-from sparsex.entrypoints.chat_utils import TokenizedPrompt, chat_prompt, parse_prompt
+from sparsex.engine.model_runner import ModelRunner, RequestStepResult
+from sparsex.engine.scheduler import Scheduler, ScheduledRequest
+from sparsex.engine.warmup import PARAMS as WARMUP_PARAMS, warmup_waves
+from sparsex.inputs import TokenizedPrompt, chat_prompt, parse_prompt
 from sparsex.models.loader import load_model
-from sparsex.outputs import CompletionOutput, RequestOutput
+from sparsex.outputs import CompletionOutput, RequestOutput, ReusedSpan
+from sparsex.request import Request, RequestStatus
 from sparsex.sampling_params import SamplingParams
+from sparsex.segment.reuse_planner import ReusePlanner
+from sparsex.segment.segment_index import SegmentIndex
+from sparsex.segment.segment_registrar import SegmentRegistrar
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,7 +44,8 @@ class EngineStats:
     segment_cache_queries: int = 0   # tokens of reusable segments looked up
     segment_cache_hits: int = 0      # tokens served from the segment cache
     recomputed_tokens: int = 0       # reused tokens recomputed in sparse layers
-    selection_seconds: float = 0.0
+    selection_seconds: float = 0.0   # host seconds in blended requests' probes and row selections
+                                     # (on the GPU: launch time, the kernels run asynchronously)
     num_preemptions: int = 0
     num_segment_entries: int = 0
 
@@ -68,7 +75,7 @@ class LLMEngine:
         self._init_cache_state()
         self.warmup_seconds = 0.0
         if config.warmup_enabled:
-            self.warmup_seconds = warm_up(self)
+            self.warmup_seconds = self.warm_up()
             # a warmed engine starts from the same empty caches and zero counters as a cold one:
             # only the compiled kernels and captured decode graphs are kept
             self._init_cache_state()
@@ -78,21 +85,40 @@ class LLMEngine:
         """(Re)build everything that holds requests, blocks or counters; the model runner (weights,
         KV tensors, decode graphs) is kept."""
         config = self.config
-        self.runner.timings = StepTimings()
+        self.runner.reset_blend_state()
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.segment_index = None
-        self.runner.blender = None
-        planner = None
+        self.planner = None              # segment/reuse_planner.ReusePlanner: admission
+        self.registrar = None            # segment/segment_registrar.SegmentRegistrar: after the step
         if config.enable_segment_reuse:
-            from sparsex.segment.blender import Blender
-            from sparsex.segment.segment_index import SegmentIndex
             self.segment_index = SegmentIndex(self.kv.pool, config.block_size, policy=config.segment_eviction)
             self.kv.reclaim = self.segment_index.evict_blocks
-            self.runner.blender = Blender(config, self.runner.model, self.segment_index, self.kv)
-            planner = self.runner.blender
-        self.scheduler = Scheduler(config, self.kv, planner)
+            self.planner = ReusePlanner(self.segment_index)
+            self.registrar = SegmentRegistrar(self.segment_index, config.block_size, self.runner)
+        self.num_recomputed_tokens = 0   # over every blended request (EngineStats.recomputed_tokens)
+        self.scheduler = Scheduler(config, self.kv, self.planner)
         self.requests: dict[str, Request] = {}
         self.parents: dict[str, list[str]] = {}          # n > 1: parent id -> child ids
+
+    def warm_up(self) -> float:
+        """Run the start-up warm-up requests (engine/warmup.py) to completion; returns the seconds
+        it took (0.0 when skipped: a pool or context too small for even the smallest one)."""
+        t0 = time.perf_counter()
+        waves = warmup_waves(self.config, self.kv.pool.num_blocks, self.max_model_len, self.model_config.vocab_size)
+        if not waves:
+            logger.info("warm-up skipped: %d-token pool, max_model_len %d",
+                        self.kv.pool.num_blocks * self.config.block_size, self.max_model_len)
+            return 0.0
+        n = 0
+        for wave in waves:              # a wave's requests are queued together: one step runs them all
+            for prompt, reuse in wave:
+                self.add_request(f"warmup-{n}", prompt, WARMUP_PARAMS, reuse=reuse)
+                n += 1
+            while self.has_unfinished_requests():
+                self.step()
+        seconds = time.perf_counter() - t0
+        logger.info("warm-up: %d requests in %.2f s", n, seconds)
+        return seconds
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: Any) -> TokenizedPrompt:
@@ -192,6 +218,8 @@ class LLMEngine:
                     req.metrics.first_scheduled_time = now
                 for pos, d in res.prompt_logprobs:
                     req.prompt_logprobs[pos] = d
+                if s.admitted:
+                    self._set_reuse_counters(req, s, res)
                 if res.sampled_token is None:
                     continue
                 self._append_token(req, res.sampled_token, res.logprobs, now)
@@ -200,18 +228,38 @@ class LLMEngine:
 
     def _bookkeep(self, sched) -> None:
         """The step's cache bookkeeping, run once the forward is launched and before its sampled
-        tokens are waited for (on the GPU it then costs no TTFT: at 32k blended tokens it was ~4.6 ms
-        on the host after the token): count the computed tokens, unlock the blend's segment hits,
-        register its new segments and its full blocks on the exact and approximate chains.
+        tokens are waited for (on the GPU it then costs no TTFT: at 32k blended tokens it is ~4.6 ms of
+        host work that would otherwise follow the token): count the computed tokens, unlock the
+        blend's segment hits, register the request's segments (segment/segment_registrar.py) and its
+        full blocks on the exact and approximate chains.
         Registering KV the GPU is still writing is safe: anything that reads it is scheduled by a
         later step, so its kernels run after this forward on the same stream."""
         for s in sched.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
-            if self.runner.blender is not None:
-                self.runner.blender.after_step(req, s, self.runner)
+            if s.reuse_plan is not None:
+                self.planner.release(req)        # its forward has copied the hits
+            if (self.registrar is not None and req.num_computed_tokens >= req.num_prompt_tokens
+                    and not req.segments_registered):
+                req.segments_registered = True
+                self.registrar.register(req)
             self.kv.cache_blocks(req, self._exact_len(req))
             self.kv.cache_approx_blocks(req)
+
+    def _set_reuse_counters(self, req: Request, s: ScheduledRequest, res: RequestStepResult) -> None:
+        """A request's reuse counters and spans, once, from its first step since admission: the
+        approximate-chain prefix the scheduler continued, then the segment hits its forward blended."""
+        spans = []
+        if s.num_approx_tokens:
+            spans.append(ReusedSpan(req.num_cached_tokens, req.num_cached_tokens + s.num_approx_tokens, "approx_prefix"))
+        blend = res.blend
+        if blend is not None:
+            spans.extend(blend.reused_spans)
+            self.num_recomputed_tokens += blend.num_recomputed_tokens
+        req.reused_spans = spans
+        req.num_reused_tokens = sum(span.num_tokens for span in spans)
+        req.num_recomputed_tokens = blend.num_recomputed_tokens if blend is not None else 0
+        req.num_candidate_tokens = blend.num_candidate_tokens if blend is not None else 0
 
     def _exact_len(self, req: Request) -> int:
         """Tokens of the request whose KV is exact (all, unless segment reuse blended it)."""
@@ -274,7 +322,8 @@ class LLMEngine:
             prompt_logprobs=first.prompt_logprobs, outputs=[self._completion(r, i) for i, r in enumerate(group)],
             finished=all(r.is_finished for r in group), metrics=first.metrics,
             num_cached_tokens=first.num_cached_tokens, num_reused_tokens=first.num_reused_tokens,
-            num_recomputed_tokens=first.num_recomputed_tokens, num_candidate_tokens=first.num_candidate_tokens)
+            num_recomputed_tokens=first.num_recomputed_tokens, num_candidate_tokens=first.num_candidate_tokens,
+            reused_spans=list(first.reused_spans), reuse_skipped=first.reuse_skipped)
         if out.finished:
             for r in group:
                 self.requests.pop(r.request_id, None)
@@ -297,11 +346,10 @@ class LLMEngine:
             approx_prefix_hits=self.kv.approx_prefix_hits,
             num_preemptions=self.scheduler.num_preemptions)
         if self.segment_index is not None:
-            b = self.runner.blender
             st.segment_cache_queries = self.segment_index.query_tokens
             st.segment_cache_hits = self.segment_index.hit_tokens
-            st.recomputed_tokens = b.recomputed_tokens
-            st.selection_seconds = b.selection_seconds
+            st.recomputed_tokens = self.num_recomputed_tokens
+            st.selection_seconds = self.runner.timings.selection_s
             st.num_segment_entries = len(self.segment_index)
         return st
 

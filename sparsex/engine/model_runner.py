@@ -2,8 +2,8 @@
 segment-reuse plans (KV copy + row selection), runs the forward, samples, computes logprobs.
 
 On CUDA the step's index arrays are built on the host and reach the device in one non_blocking
-copy (`host_inputs.py`); the only host-device sync of a step is reading the sampled tokens
-(a blended prefill also syncs once at its row selection). Steps made only of one-row decodes
+copy (`host_inputs.py`); the only host-device sync of a step is reading the sampled tokens (a
+blended prefill's selection stays on the device: segment/step_blend.py). Steps made only of one-row decodes
 replay a CUDA graph (`cuda_graph.py`) unless `enforce_eager` is set (env SPARSEX_ENFORCE_EAGER=1).
 """
 from __future__ import annotations
@@ -18,10 +18,11 @@ import torch
 
 from sparsex.config import EngineConfig
 from sparsex.engine.cuda_graph import BATCH_SIZES, DecodeGraphs
-from sparsex.engine.forward_context import ForwardContext
+from sparsex.layers.forward_context import ForwardContext
 from sparsex.engine.host_inputs import BlockTables, PinnedUploader
-from sparsex.engine.request import Request
+from sparsex.request import Request
 from sparsex.engine.scheduler import SchedulerOutput
+from sparsex.segment.step_blend import BlendResult, LayerPointerCache, StepBlend
 from sparsex.layers import cpu_kernels
 from sparsex.layers.attention_backend import TorchAttentionBackend
 from sparsex.layers.attention_metadata import AttentionMetadata
@@ -40,13 +41,16 @@ class RequestStepResult:
     sampled_token: int | None = None
     logprobs: dict[int, float] | None = None
     prompt_logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)  # (position, dict)
+    blend: BlendResult | None = None        # a blended prefill's outcome (segment/step_blend.py)
 
 
 @dataclass
 class StepTimings:
-    forward_s: float = 0.0
-    kv_copy_s: float = 0.0
-    selection_s: float = 0.0
+    """Host seconds, summed over steps. On the GPU the blend's are launch time (the kernels run
+    asynchronously), not device time."""
+    forward_s: float = 0.0          # from the forward's launch to the sampled tokens
+    blend_copy_s: float = 0.0       # building and launching blended requests' KV copies
+    selection_s: float = 0.0        # blended requests' probes and row selections
 
 
 @torch.no_grad()
@@ -96,7 +100,10 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(cfg.num_hidden_layers)]
-        self.blender = None          # sparsex.segment.blender.Blender, set by the engine when reuse is on
+        # blended prefills (segment/step_blend.py): the `random` selector's generator, reseeded with
+        # the engine's cache state (`reset_blend_state`), and the CUDA copy's address tables
+        self.selection_generator = torch.Generator().manual_seed(config.seed)
+        self.layer_pointers = LayerPointerCache()
         # evaluation hook (fidelity benchmarks/tests): request_id -> positions whose full next-token
         # log-distribution is kept in `captured_logprobs[request_id][position]` ([vocab] float32, CPU)
         self.capture_positions: dict[str, set[int]] = {}
@@ -108,6 +115,11 @@ class ModelRunner:
         # decode steps replay CUDA graphs (captured at the first such step) unless this is set
         self.enforce_eager = os.environ.get("SPARSEX_ENFORCE_EAGER", "0") == "1"
         self.decode_graphs: DecodeGraphs | None = None
+
+    def reset_blend_state(self) -> None:
+        """Reseed what blended prefills draw from and zero the timings (the engine's cache reset)."""
+        self.selection_generator = torch.Generator().manual_seed(self.config.seed)
+        self.timings = StepTimings()
 
     def bytes_per_block(self) -> int:
         cfg = self.model_config
@@ -213,10 +225,17 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
         )
         ctx = ForwardContext(attn_metadata=md, kv_caches=self.kv_caches, backend=self.backend)
-        if self.blender is not None and any(s.reuse_plan is not None for s in sched.scheduled):
-            self.blender.prepare(sched, ctx, self)
+        blend = None
+        if any(s.reuse_plan is not None for s in sched.scheduled):
+            blend = StepBlend(sched, ctx, self.model.rotary.inv_freq, self.uploader, self.layer_pointers,
+                              self.selection_generator)
         t0 = time.perf_counter()
         hidden = self.model(ids_t, md.positions, ctx)                   # [kept_rows, hidden]
+        if blend is not None:                   # every selection ran inside the forward: host counts
+            for rid, blended in blend.results().items():
+                results[rid].blend = blended
+            self.timings.blend_copy_s += blend.copy_seconds
+            self.timings.selection_s += blend.selection_seconds
         need_positions = self.capture_positions or any(s.request.params.prompt_logprobs is not None
                                                        for s in sched.scheduled)
         # map full-batch row -> row of `hidden` (a device read: only when rows other than the

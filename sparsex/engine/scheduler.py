@@ -12,14 +12,17 @@ from dataclasses import dataclass, field
 
 from sparsex.cache.kv_cache_manager import KVCacheManager
 from sparsex.config import EngineConfig
-from sparsex.engine.request import Request, RequestStatus
+from sparsex.request import Request, RequestStatus
+from sparsex.segment.reuse_planner import ReusePlan, ReusePlanner
 
 
 @dataclass
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
-    reuse_plan: object | None = None        # segment.reuse_plan.ReusePlan for a blended prefill
+    reuse_plan: ReusePlan | None = None     # the segment hits a blended prefill copies in this step
+    admitted: bool = False                  # the request's first step since (re)admission
+    num_approx_tokens: int = 0              # admitted: approximate-chain prefix tokens, after the exact hit
 
 
 @dataclass
@@ -34,7 +37,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, segment_planner=None):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, segment_planner: ReusePlanner | None = None):
         self.config = config
         self.kv = kv
         self.segment_planner = segment_planner     # plans segment reuse for a request's first prefill
@@ -130,7 +133,6 @@ class Scheduler:
             self.kv.prefix_hits += num_hit
             req.num_computed_tokens += num_hit + num_approx
             req.num_cached_tokens = num_hit
-            req.num_reused_tokens = num_approx            # the blender adds its segments' tokens
             if num_approx:
                 self.kv.approx_prefix_hits += num_approx
             if num_approx or plan is not None:
@@ -139,7 +141,7 @@ class Scheduler:
                 req.exact_prefix_len = num_hit if num_approx else plan.first_reused_position
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_new, plan))
+            out.scheduled.append(ScheduledRequest(req, num_new, plan, admitted=True, num_approx_tokens=num_approx))
             scheduled_ids.add(req.request_id)
             budget -= num_new
         return out

@@ -3,12 +3,13 @@ the first real request does not pay for compilation.
 
 On the GPU the first blended request of a process compiled the blend's Triton kernels (the
 re-rotating copy, the probe, the sparse-row attention: 2-3 s), and the first decode step captured
-the decode CUDA graphs. `warm_up` moves that to engine start-up. What it leaves behind is dropped
+the decode CUDA graphs. `LLMEngine.warm_up` runs the requests planned here at engine start-up. What it leaves behind is dropped
 by the caller, which rebuilds the cache state (block pool, segment index, scheduler, counters)
 afterwards, so a warmed engine starts from the same empty caches as a cold one; only compiled
 kernels and captured graphs remain.
 
-The prompts are fixed pseudo-random token ids (no text, no tokenizer round trip):
+This module only plans the requests (`warmup_waves`); the engine runs them. The prompts are fixed
+pseudo-random token ids (no text, no tokenizer round trip):
 
     r1  [head, A, B, C, q1]          plain prefill, batched with a short r1b (two sequences in a
                                      step), then a decode step (captures the decode graphs)
@@ -24,18 +25,10 @@ by the first requests after it.
 """
 from __future__ import annotations
 
-import logging
-import time
-from typing import TYPE_CHECKING
-
 import numpy as np
 
+from sparsex.config import EngineConfig
 from sparsex.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from sparsex.engine.llm_engine import LLMEngine
-
-logger = logging.getLogger(__name__)
 
 HEAD_TOKENS = 32
 QUESTION_TOKENS = 16
@@ -45,45 +38,36 @@ MIN_SEGMENT_TOKENS = 32
 # (triton_attention.GATHER_MIN_ROWS); its kernel variant compiles only when a step has that many
 LONG_TAIL_TOKENS = 640
 
+PARAMS = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 
-def warm_up(engine: LLMEngine) -> float:
-    """Run the warm-up requests to completion; returns the seconds it took (0.0 when skipped:
-    a pool or context too small for even the smallest warm-up prompt)."""
-    t0 = time.perf_counter()
-    capacity = engine.kv.pool.num_blocks * engine.config.block_size
+# A wave: (prompt, per-request reuse overrides) pairs queued together, so one step runs them all.
+Wave = list[tuple[dict, dict | None]]
+
+
+def warmup_waves(config: EngineConfig, num_blocks: int, max_model_len: int, vocab_size: int) -> list[Wave]:
+    """The warm-up requests for an engine of this config and size, in waves; [] when even the
+    smallest warm-up prompt does not fit the pool or the context."""
+    capacity = num_blocks * config.block_size
     # r3 holds its own blocks while the segment entries it copies from hold theirs: keep a prompt
     # under a third of the pool
-    longest = min(capacity // 3, engine.max_model_len - 8)
+    longest = min(capacity // 3, max_model_len - 8)
     # a segment shorter than the engine's min_segment_tokens is never indexed, so nothing would blend
-    min_seg = max(MIN_SEGMENT_TOKENS, engine.config.reuse.min_segment_tokens)
+    min_seg = max(MIN_SEGMENT_TOKENS, config.reuse.min_segment_tokens)
     seg = min(max(MAX_SEGMENT_TOKENS, min_seg), (longest - HEAD_TOKENS - 2 * QUESTION_TOKENS) // 3)
     if seg < min_seg:
-        logger.info("warm-up skipped: %d-token pool, max_model_len %d", capacity, engine.max_model_len)
-        return 0.0
+        return []
     rng = np.random.default_rng(0)
-    vocab = engine.model_config.vocab_size
-    ids = lambda n: rng.integers(min(256, vocab // 2), vocab, size=n).tolist()
+    ids = lambda n: rng.integers(min(256, vocab_size // 2), vocab_size, size=n).tolist()
     head, a, b, c = ids(HEAD_TOKENS), ids(seg), ids(seg), ids(seg)
     q1, q1b, q2, tail = (ids(QUESTION_TOKENS) for _ in range(4))
     long_tail = ids(LONG_TAIL_TOKENS)
-    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     # blend whatever hits, wherever it was first encoded: the point is to run the kernels
     blend = {"min_blend_tokens": 0, "min_context_tokens": 0}
-    waves: list[list[tuple[dict, dict | None]]] = [
-        [({"segments": [head, a, b, c, q1]}, None), ({"prompt_token_ids": q1b + tail}, None)]]
-    if engine.config.enable_prefix_caching:
+    waves: list[Wave] = [[({"segments": [head, a, b, c, q1]}, None), ({"prompt_token_ids": q1b + tail}, None)]]
+    if config.enable_prefix_caching:
         waves.append([({"prompt_token_ids": head + a + b + c + q1 + tail}, None)])
-    if engine.config.enable_segment_reuse:
+    if config.enable_segment_reuse:
         waves.append([({"segments": [head, c, a, b, q2]}, blend)])
         if HEAD_TOKENS + 3 * seg + LONG_TAIL_TOKENS <= longest:
             waves.append([({"segments": [head, b, c, a, long_tail]}, blend)])
-    n = 0
-    for wave in waves:                  # a wave's requests are queued together: one step runs them all
-        for prompt, reuse in wave:
-            engine.add_request(f"warmup-{n}", prompt, params, reuse=reuse)
-            n += 1
-        while engine.has_unfinished_requests():
-            engine.step()
-    seconds = time.perf_counter() - t0
-    logger.info("warm-up: %d requests in %.2f s", n, seconds)
-    return seconds
+    return waves

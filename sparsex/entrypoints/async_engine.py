@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
 
-from sparsex.entrypoints.chat_utils import TokenizedPrompt
+from sparsex.inputs import TokenizedPrompt
 from sparsex.metrics import ServerMetrics
 from sparsex.outputs import RequestOutput
 from sparsex.sampling_params import SamplingParams

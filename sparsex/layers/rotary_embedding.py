@@ -61,11 +61,6 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos_cache[positions], self.sin_cache[positions]
 
-    def delta_cos_sin(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of a (possibly negative) position shift, for re-rotating cached keys."""
-        freqs = delta.to(torch.float32)[:, None] * self.inv_freq[None, :]     # [n, head_dim/2]
-        return freqs.cos(), freqs.sin()
-
     def _uses_triton(self, q: torch.Tensor) -> bool:
         half = self.head_dim // 2
         return q.is_cuda and half & (half - 1) == 0

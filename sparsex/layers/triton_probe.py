@@ -4,7 +4,7 @@ attention mass, each from the tensors the probe layer already holds, in few laun
 The torch versions (`selectors.kv_deviation_scores`, `selectors.query_attention_mass`) are the
 reference and the CPU path. On the GPU they took ~35 small launches a blended request and, at 8k
 tokens, built a [KVH, m, G, S] score matrix (67 MB in bf16, softmaxed into 134 MB of fp32): ~0.9 ms
-of the 8k step's ~45 ms, at the issue's 2% line. Here:
+of the 8k step's ~45 ms, at the 2% of TTFT a selection may cost. Here:
 
 - `kv_deviation`: one program per reused row reads its fresh K/V rows and the cached copies at its
   slot (no gathered copies) -> ||K - K'||^2 + ||V - V'||^2 in fp32.

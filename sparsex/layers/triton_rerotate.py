@@ -79,7 +79,7 @@ def merge_rerotated_all_layers_torch(
 ) -> None:
     """Every layer: dst <- (1 - weight) * mean + weight * src, src's keys re-rotated by `delta` first
     (in float32). Folds another encoding of a segment into an index entry's running mean
-    (segment/blender.py, "merged encodings"): `mean_slots` hold the mean now, `dst_slots` get the new
+    (segment/segment_registrar.py, "merged encodings"): `mean_slots` hold the mean now, `dst_slots` get the new
     one (the same slots, or an entry's fresh blocks on copy-on-write: one pass, no separate copy);
     `src_slots` must not overlap `dst_slots`."""
     rotation = _rotation(delta, inv_freq)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsex.engine.forward_context import ForwardContext
+from sparsex.layers.forward_context import ForwardContext
 from sparsex.layers import cpu_kernels
 from sparsex.layers.layernorm import RMSNorm
 from sparsex.layers.packed_linear import PackedLinear, prepack_linears

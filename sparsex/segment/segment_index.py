@@ -182,9 +182,6 @@ class SegmentIndex:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         return refs
 
-    def num_pinned_blocks(self) -> int:
-        return len({b.block_id for e in self.entries.values() for b in e.blocks})
-
     def check_integrity(self) -> None:
         for key, e in self.entries.items():
             if key != e.key or hash_segment(e.tokens, e.cache_salt) != key:

@@ -1,6 +1,6 @@
 """Which reused tokens to recompute: one small interface, several rules.
 
-A selector scores the reused rows of one sequence; the blender keeps the top
+A selector scores the reused rows of one sequence; a blended step keeps the top
 `recompute_ratio * num_reused` (plus every new row, plus the first `boundary_tokens` of each
 reused segment). Scores come from what the last full layer (`full_layers - 1`) computed:
 
@@ -39,28 +39,6 @@ def sparse_q_scores(deviation: torch.Tensor, query_mass: torch.Tensor) -> torch.
     """sparse_q: the K/V deviation ([R]) weighted by the query rows' attention mass on each reused
     token ([R]), relative to its mean: dev * (1 + mass / mean(mass))."""
     return deviation * (1.0 + query_mass / query_mass.mean().clamp_min(1e-12))
-
-
-def outside_segment_mass(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, seg_lo: torch.Tensor,
-                         scale: float, chunk: int = 256) -> torch.Tensor:
-    """Attention mass a row's query puts on keys outside its own segment, from two log-sum-exps
-    (no attention matrix is kept).
-    q: [n, H, D] rows (positions q_pos [n], own segment starts at seg_lo [n]);
-    keys: [S, KVH, D] the sequence's keys at positions 0..S-1.  Returns [n] in [0, 1], head-averaged."""
-    n, num_heads, _ = q.shape
-    group = num_heads // keys.shape[1]
-    kf = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)     # [H, S, D]
-    key_pos = torch.arange(keys.shape[0], device=q.device)
-    out = torch.empty(n, device=q.device)
-    for c in range(0, n, chunk):
-        qc = q[c:c + chunk].float().transpose(0, 1)                       # [H, c, D]
-        s = torch.matmul(qc, kf.transpose(1, 2)) * scale                 # [H, c, S]
-        visible = key_pos[None, :] <= q_pos[c:c + chunk, None]           # [c, S]
-        own = visible & (key_pos[None, :] >= seg_lo[c:c + chunk, None])
-        lse_all = torch.logsumexp(s.masked_fill(~visible, float("-inf")), dim=-1)   # [H, c]
-        lse_own = torch.logsumexp(s.masked_fill(~own, float("-inf")), dim=-1)
-        out[c:c + chunk] = (1 - torch.exp(lse_own - lse_all)).mean(dim=0)
-    return out
 
 
 def query_attention_mass(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:

@@ -10,16 +10,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparsex.engine.request import SegmentSpan
+
+@dataclass(frozen=True)
+class SegmentSpan:
+    """A piece of the prompt that may be reused from, or registered in, the segment index."""
+    start: int        # token offset in the prompt
+    end: int          # exclusive
 
 
 @dataclass
 class TokenizedPrompt:
+    """A prompt as the engine takes it (`LLMEngine.add_request` accepts one as it is)."""
     token_ids: list[int]
     text: str | None = None
     segments: list[SegmentSpan] = field(default_factory=list)
     cache_salt: str | None = None
-    query_horizon: int | None = None      # see Request.query_horizon
+    # teacher-forced scoring: token_ids[query_horizon:] is a continuation being scored, not part of the
+    # prompt for reuse: segments reaching it are not reused, and sparse_q's query rows stop before it,
+    # so the run plans and selects exactly what the prompt token_ids[:query_horizon] alone would
+    # (sparsex/bench/fidelity.py). None: the whole of token_ids is the prompt.
+    query_horizon: int | None = None
 
 
 def _check_token_ids(ids: Any, vocab_size: int, what: str) -> list[int]:

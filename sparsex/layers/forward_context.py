@@ -33,8 +33,7 @@ class ForwardContext:
     probe_layers: frozenset[int] = frozenset()
     probe: Probe | None = None
     row_selector: RowSelector | None = None
-    # callbacks run just before layer i (the blender launches its KV copies from one)
+    # callbacks run just before layer i (a blended step launches its KV copies from one)
     pre_layer_hooks: dict[int, Callable[[], None]] = field(default_factory=dict)
     # rows kept so far, as indices into the step's original rows (None: all rows)
     kept_rows: torch.Tensor | None = None
-    extras: dict = field(default_factory=dict)

@@ -1,26 +1,32 @@
-"""Blended prefill: reuse segments' KV at new positions and recompute a sparse set of tokens,
-all inside the normal forward pass.
+"""One step's blended prefill, on the forward side: reuse segments' KV at new positions and
+recompute a sparse set of tokens, all inside the normal forward pass.
 
-For a request whose prompt is P (exact prefix hit) + reused segments R1..Rm + new tokens N:
+For a request whose prompt is P (exact prefix hit) + reused segments R1..Rm + new tokens N, whose
+hits `reuse_planner.ReusePlanner` planned and locked at admission, the model runner builds a
+`StepBlend` for the step (F = full_layers):
 
-  plan()     at admission: look up each prompt segment after P in the segment index; lock hits.
-  prepare()  before the forward: install the copy hook (every hit's K/V, from layer F-1 on, into
-             the request's own blocks, keys re-rotated from the positions they were computed at
-             to their new positions), a probe on layer F-1 and a row selector inside layer F-1
-             (F = full_layers).
+  install    the copy hook (every hit's K/V, from layer F-1 on, into the request's own blocks, keys
+             re-rotated from the positions they were computed at to their new positions), a probe
+             on layer F-1 and the row selector inside layer F-1.
   forward    layers 0..F-2 compute every row of R ∪ N; layer F-1 computes every row's K/V (the
              fresh ones overwrite the copies; the probe scores from them), then the selector keeps
              N plus the top-scored reused rows, and layer F-1's attention and MLP and layers
              F..L-1 run only those rows, each attending at its absolute position over all keys <= it.
              The dropped rows' outputs of layer F-1 would be read by nothing, so computing them
              would only cost: their K/V are all later layers need of them.
-  after_step unlock hits; register the request's not-yet-indexed segments (their KV is in its
-             blocks already); record counters.
+  results    per request: reused, candidate and recomputed counts and the reused spans
+             (`BlendResult`), returned in the runner's step result; the engine sets the request's
+             counters from it, and `segment_registrar.py` indexes the request's new segments.
 
 Keys are stored rotated (like every other block) and re-rotated on copy, instead of being stored
 pre-RoPE and rotated on use: the attention kernels, the prefix cache and segments then share one
 block format, and the copy, which is needed anyway because positions change, does the rotation
 for free (K(p+d) = R(d) K(p)).
+
+On the GPU nothing in a blended forward waits for the device: the copy plan is built and uploaded
+while the layers below F-1 run, the row selection stays on the device, and how many rows each
+sequence keeps follows from the rule on the host (`StepBlend._keep_count`), so the step's one sync
+is the sampled token (`python3 benchmarks/gpu_engine.py --sections syncs` lists them).
 
 Prefix-cache contract: blocks at or after the first reused position hold approximate KV and are
 never registered as exact prefix blocks (`Request.exact_prefix_len`), so a later exact prefix hit is
@@ -36,29 +42,22 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sparsex.cache.kv_cache_manager import KVCacheManager
-from sparsex.config import EngineConfig, ReuseConfig
-from sparsex.engine.forward_context import ForwardContext
-from sparsex.engine.request import Request, SegmentSpan
+from sparsex.config import ReuseConfig
 from sparsex.layers import triton_probe
-from sparsex.layers.triton_rerotate import (LayerPointers, copy_and_rerotate_all_layers_torch, copy_and_rerotate_layers,
-                                             merge_rerotated_all_layers_torch)
+from sparsex.layers.forward_context import ForwardContext
+from sparsex.layers.triton_rerotate import LayerPointers, copy_and_rerotate_all_layers_torch, copy_and_rerotate_layers
+from sparsex.outputs import ReusedSpan
+from sparsex.request import Request
 from sparsex.segment import selectors
-from sparsex.segment.segment_index import SegmentEntry, SegmentIndex
 
 
-@dataclass
-class ReusePlan:
-    reuse: ReuseConfig
-    hits: list[tuple[SegmentSpan, SegmentEntry]]
-
-    @property
-    def num_reused_tokens(self) -> int:
-        return sum(span.end - span.start for span, _ in self.hits)
-
-    @property
-    def first_reused_position(self) -> int:
-        return min(span.start for span, _ in self.hits)
+@dataclass(frozen=True)
+class BlendResult:
+    """What one request's blended prefill did (host values, known without a device sync)."""
+    num_reused_tokens: int          # tokens of the segment hits (before recomputation)
+    num_candidate_tokens: int       # reused tokens the first selection kept
+    num_recomputed_tokens: int      # reused tokens the last selection kept: recomputed in every layer
+    reused_spans: tuple[ReusedSpan, ...]    # the segment hits' prompt spans, source "segment"
 
 
 @dataclass
@@ -69,7 +68,6 @@ class _SeqBlend:
     reused_rows: torch.Tensor          # [R] rows of the step batch (original indexing)
     reused_pos: torch.Tensor           # [R] absolute positions
     offsets: torch.Tensor              # [R] offset inside its segment
-    seg_lo: torch.Tensor               # [R] position where its segment starts
     seq_index: int                     # the sequence's index in the step
     seg_lens: list[int]                # length of each reused segment (host copy: counts need no sync)
     query_rows: torch.Tensor           # [<= _QUERY_ROWS] new rows whose attention sparse_q weighs
@@ -80,6 +78,7 @@ class _SeqBlend:
     pending: tuple[torch.Tensor, torch.Tensor] | None = None
     selected: int = 0                  # reused rows the last selection kept
     candidates: int = 0                # reused rows the first selection kept
+    spans: tuple[ReusedSpan, ...] = ()  # the reused segments' prompt spans
 
     @property
     def num_reused(self) -> int:
@@ -95,7 +94,7 @@ class _SeqBlend:
     def narrow(self, idx: torch.Tensor) -> None:
         """Keep only the reused rows `idx` ([R'] sorted indices into the current ones)."""
         self.reused_rows, self.reused_pos = self.reused_rows[idx], self.reused_pos[idx]
-        self.offsets, self.seg_lo = self.offsets[idx], self.seg_lo[idx]
+        self.offsets = self.offsets[idx]
         self.scores = self.pending = None
 
     @property
@@ -103,102 +102,70 @@ class _SeqBlend:
         return len(self.seg_lens)
 
 
-class Blender:
-    def __init__(self, config: EngineConfig, model, index: SegmentIndex, kv: KVCacheManager):
-        self.config = config
-        self.model = model
-        self.index = index
-        self.kv = kv
-        self.block_size = config.block_size
-        self._gen = torch.Generator().manual_seed(config.seed)
-        self._seqs: list[_SeqBlend] = []
-        self._pending: dict[str, tuple[int, list[SegmentEntry]]] = {}   # planned, not yet admitted
-        self.sparse_q_variant = "dev_qrel"     # measurement knobs (benchmarks); see docs/benchmarks.md
-        # CUDA copy: address tables of the runner's caches from each first layer copied, made once
-        # (building one uploads it, which waits for the GPU); dropped if the cache list is replaced
+class LayerPointerCache:
+    """CUDA copy: the address tables of the runner's caches from each first layer copied, made once
+    (building one uploads it, which waits for the GPU); dropped if the cache list is replaced."""
+
+    def __init__(self):
         self._pointers: dict[int, LayerPointers] = {}
-        self._pointer_caches: list | None = None
-        # counters
-        self.recomputed_tokens = 0
-        self.reused_tokens = 0
-        self.selection_seconds = 0.0
-        self.copy_seconds = 0.0
+        self._caches: list | None = None
 
-    # ---- scheduling -------------------------------------------------------------------------
-    def plan(self, req: Request, num_prefix_hit: int) -> ReusePlan | None:
-        reuse = req.reuse
-        if not reuse.blend:
-            self._pending[req.request_id] = (0, [])       # computed exactly; `_register` merges its segments
-            return None
-        hits = []
-        queried = 0
-        toks = req.prompt_token_ids
-        # evaluation (teacher forcing): the prompt proper ends at the query horizon, so a teacher-
-        # forced run plans exactly the hits the plain request plans
-        end = req.num_prompt_tokens if req.query_horizon is None else min(req.query_horizon, req.num_prompt_tokens)
-        for span in req.segments:
-            if span.start < num_prefix_hit or span.end - span.start < reuse.min_segment_tokens:
-                continue
-            if span.end >= end:
-                continue          # the last prompt token must be computed: its logits start decoding
-            queried += span.end - span.start
-            # counted in `admitted`: a request that waits is planned again next step
-            entry = self.index.lookup(toks[span.start:span.end], req.cache_salt, count=False)
-            if entry is not None and _too_early_for(entry, span.start, reuse):
-                entry = None      # recomputed here; `_register` then replaces the early encoding
-            if entry is not None:
-                hits.append((span, entry))
-        plan = ReusePlan(reuse, hits)
-        if not hits or plan.num_reused_tokens < reuse.min_blend_tokens:
-            self._pending[req.request_id] = (queried, [])   # too little to blend: recomputed, exact
-            return None
-        for _, entry in hits:
-            self.index.lock(entry)
-        self._pending[req.request_id] = (queried, [e for _, e in hits])
-        req.reuse_plan = plan
-        return plan
+    def get(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], first_layer: int) -> LayerPointers:
+        """The address tables of `kv_caches[first_layer:]`."""
+        if kv_caches is not self._caches:
+            self._pointers, self._caches = {}, kv_caches
+        if first_layer not in self._pointers:
+            self._pointers[first_layer] = LayerPointers(kv_caches[first_layer:])
+        return self._pointers[first_layer]
 
-    def admitted(self, req: Request) -> None:
-        """The scheduler admitted the request with its plan: count the lookups once."""
-        queried, entries = self._pending.pop(req.request_id, (0, []))
-        self.index.record_lookups(queried, entries)
 
-    def release(self, req: Request) -> None:
-        """Unlock a plan that will not run (preemption, allocation failure, abort)."""
-        self._pending.pop(req.request_id, None)
-        plan = req.reuse_plan
-        if plan is not None:
-            for _, entry in plan.hits:
-                self.index.unlock(entry)
-            req.reuse_plan = None
+class StepBlend:
+    """The blended sequences of one step: built by the model runner before the forward, called
+    from inside it (copy, probe, select), read after it (`results`)."""
 
-    # ---- forward ----------------------------------------------------------------------------
-    def prepare(self, sched, ctx: ForwardContext, runner) -> None:
-        """Before the forward: install the probe, the row selector and the copy hook. The copy plan
-        itself is built and launched from inside the forward, just before the first selection layer
-        (`_copy_reused`; on the GPU the host builds it while the layers below run). Only layers whose
-        copies are read are copied: the selection layer stores every row's fresh K/V over them, so
-        it needs its copies only where the probe compares the two."""
-        self._seqs = []
+    def __init__(self, sched, ctx: ForwardContext, inv_freq: torch.Tensor, uploader,
+                 pointers: LayerPointerCache, generator: torch.Generator):
+        """Install the probe, the row selector (this object) and the copy hook on `ctx`. The copy
+        plan itself is built and launched from inside the forward, just before the first selection
+        layer (`_copy_reused`; on the GPU the host builds it while the layers below run). Only layers
+        whose copies are read are copied: the selection layer stores every row's fresh K/V over
+        them, so it needs its copies only where the probe compares the two."""
+        self.inv_freq = inv_freq                 # [head_dim / 2] float32, the model's RoPE frequencies
+        self.uploader = uploader                 # the runner's PinnedUploader: one pinned upload a step
+        self.pointers = pointers
+        self._gen = generator                    # the `random` selector's draws (long-lived: seeded once)
+        self._seqs: list[_SeqBlend] = []
+        self.copy_seconds = 0.0                  # host seconds building and launching the copy
+        self.selection_seconds = 0.0             # host seconds in the probes and selections
         reuses = [s.reuse_plan.reuse for s in sched.scheduled if s.reuse_plan is not None]
         hook_layer = min(selection_layer(r) for r in reuses)
         copy_from = min(selection_layer(r) + (r.selector not in selectors.PROBE_SELECTORS) for r in reuses)
-        ctx.pre_layer_hooks[hook_layer] = lambda: self._copy_reused(sched, ctx, copy_from, runner.uploader)
+        ctx.pre_layer_hooks[hook_layer] = lambda: self._copy_reused(sched, ctx, copy_from)
         probe_layers = {layer for r in reuses if r.selector in selectors.PROBE_SELECTORS
                         for layer in selection_layers(r)}
         ctx.probe_layers = frozenset(probe_layers)
         ctx.probe = self._probe if probe_layers else None
-        ctx.row_selector = _RowSelector(self, frozenset(layer for r in reuses for layer in selection_layers(r)))
+        self.layers = frozenset(layer for r in reuses for layer in selection_layers(r))
+        ctx.row_selector = self
 
-    def _copy_reused(self, sched, ctx: ForwardContext, first_layer: int, uploader) -> None:
+    def __call__(self, layer_idx: int, ctx: ForwardContext) -> tuple[torch.Tensor, list[int]] | None:
+        """The forward's row selector (`layers.forward_context.RowSelector`)."""
+        return self.select(layer_idx, ctx)
+
+    def results(self) -> dict[str, BlendResult]:
+        """Each blended request's outcome, by request id (host values: read after the forward)."""
+        return {b.request.request_id: BlendResult(b.num_reused, b.candidates, b.selected, b.spans)
+                for b in self._seqs}
+
+    def _copy_reused(self, sched, ctx: ForwardContext, first_layer: int) -> None:
         """Copy every hit's K/V of layers `first_layer`.. into the requests' own blocks, keys
         re-rotated to their new positions, and record each blended sequence's rows."""
         md = ctx.attn_metadata
         cu = md.cu_seqlens_q_cpu
         dev = md.positions.device
-        bs = self.block_size
+        bs = ctx.kv_caches[0][0].shape[1]        # block size
         t0 = time.perf_counter()
-        per_seq = []          # (seq index, plan, segment lengths, [7, R] int64 host plan, query rows)
+        per_seq = []          # (seq index, plan, segment lengths, [6, R] int64 host plan, query rows)
         for si, s in enumerate(sched.scheduled):
             plan: ReusePlan | None = s.reuse_plan
             if plan is None:
@@ -222,37 +189,29 @@ class Blender:
             dst = table[rp // bs] * bs + rp % bs
             query_rows = self._query_rows(req, rp, pos0, row0, cu[si + 1] - cu[si])
             per_seq.append((si, plan, lens.tolist(),
-                            np.stack([src, dst, (starts - old)[seg], rp - pos0 + row0, rp, offs, starts[seg]]),
+                            np.stack([src, dst, (starts - old)[seg], rp - pos0 + row0, rp, offs]),
                             query_rows))
-        # one upload for the whole step: the [7, R_total] plan (src slot, dst slot, delta, row,
-        # position, offset, segment start), then the query rows. Pinned and asynchronous: the GPU may
+        # one upload for the whole step: the [6, R_total] plan (src slot, dst slot, delta, row,
+        # position, offset), then the query rows. Pinned and asynchronous: the GPU may
         # still run the layers below the hook, and a pageable upload would wait for them.
         plan_h = np.concatenate([x[3] for x in per_seq], axis=1)
-        up = uploader.upload([np.concatenate([plan_h.ravel()] + [x[4] for x in per_seq])])[0]
-        plan_t, query_t = up[:plan_h.size].view(7, -1), up[plan_h.size:]
+        up = self.uploader.upload([np.concatenate([plan_h.ravel()] + [x[4] for x in per_seq])])[0]
+        plan_t, query_t = up[:plan_h.size].view(6, -1), up[plan_h.size:]
         src_t, dst_t, delta_t = plan_t[0], plan_t[1], plan_t[2]
         col = qcol = 0
         for si, plan, seg_lens, h, query_rows in per_seq:
             part = plan_t[:, col:col + h.shape[1]]
             col += h.shape[1]
-            self._seqs.append(_SeqBlend(sched.scheduled[si].request, plan.reuse, part[3], part[4], part[5], part[6],
+            self._seqs.append(_SeqBlend(sched.scheduled[si].request, plan.reuse, part[3], part[4], part[5],
                                         seq_index=si, seg_lens=seg_lens,
-                                        query_rows=query_t[qcol:qcol + len(query_rows)]))
+                                        query_rows=query_t[qcol:qcol + len(query_rows)],
+                                        spans=tuple(ReusedSpan(span.start, span.end, "segment") for span, _ in plan.hits)))
             qcol += len(query_rows)
-        inv_freq = self.model.rotary.inv_freq
         if dev.type == "cuda":
-            copy_and_rerotate_layers(self._layer_pointers(ctx.kv_caches, first_layer), src_t, dst_t, delta_t, inv_freq)
+            copy_and_rerotate_layers(self.pointers.get(ctx.kv_caches, first_layer), src_t, dst_t, delta_t, self.inv_freq)
         else:
-            copy_and_rerotate_all_layers_torch(ctx.kv_caches[first_layer:], src_t, dst_t, delta_t, inv_freq)
+            copy_and_rerotate_all_layers_torch(ctx.kv_caches[first_layer:], src_t, dst_t, delta_t, self.inv_freq)
         self.copy_seconds += time.perf_counter() - t0
-
-    def _layer_pointers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], first_layer: int) -> LayerPointers:
-        """The address tables of `kv_caches[first_layer:]` (the runner allocates its caches once)."""
-        if kv_caches is not self._pointer_caches:
-            self._pointers, self._pointer_caches = {}, kv_caches
-        if first_layer not in self._pointers:
-            self._pointers[first_layer] = LayerPointers(kv_caches[first_layer:])
-        return self._pointers[first_layer]
 
     @staticmethod
     def _query_rows(req: Request, reused_pos: np.ndarray, pos0: int, row0: int, num_rows: int) -> np.ndarray:
@@ -290,7 +249,7 @@ class Blender:
                 dev = selectors.kv_deviation_scores(k[cur], v[cur], k_old, v_old)   # [R]
             if b.reuse.selector == "kv_deviation" or b.query_rows.numel() == 0:
                 b.scores = dev
-            elif k.is_cuda and self.sparse_q_variant == "dev_qrel":
+            elif k.is_cuda:
                 b.pending = (dev, q)
             else:
                 b.scores = self._sparse_q_scores(b, cur, dev, q, k, k_cache, ctx)
@@ -327,13 +286,7 @@ class Blender:
         new_rows = self._current_rows(ctx, b.query_rows)
         keys = self._sequence_keys(b.seq_index, k, k_cache, ctx)             # [n, KVH, D]
         imp = selectors.query_attention_mass(q[new_rows], keys, md.positions[new_rows], q.shape[-1] ** -0.5)  # [n]
-        imp = imp[b.reused_pos]
-        variant = self.sparse_q_variant
-        if variant == "xseg":
-            return selectors.outside_segment_mass(q[cur], keys, b.reused_pos, b.seg_lo, q.shape[-1] ** -0.5)
-        if variant == "qrel":
-            return imp
-        return selectors.sparse_q_scores(dev, imp)
+        return selectors.sparse_q_scores(dev, imp[b.reused_pos])
 
     def select(self, layer_idx: int, ctx: ForwardContext) -> tuple[torch.Tensor, list[int]] | None:
         """Rows to keep from layer `layer_idx`'s attention on, and how many each sequence keeps;
@@ -431,87 +384,6 @@ class Blender:
             keep.index_fill_(0, top, True)          # not `keep[top] = True`: that syncs on CUDA
         return keep
 
-    # ---- bookkeeping ------------------------------------------------------------------------
-    def after_step(self, req: Request, scheduled, runner) -> None:
-        plan: ReusePlan | None = scheduled.reuse_plan
-        if plan is not None:
-            b = next((x for x in self._seqs if x.request is req), None)
-            # on top of an approximate-chain prefix hit the scheduler already counted
-            req.num_reused_tokens += plan.num_reused_tokens
-            req.num_recomputed_tokens = b.selected if b is not None else 0
-            req.num_candidate_tokens = b.candidates if b is not None else 0
-            self.reused_tokens += plan.num_reused_tokens
-            self.recomputed_tokens += req.num_recomputed_tokens
-            self.release(req)
-        if req.num_computed_tokens >= req.num_prompt_tokens and not req.segments_registered:
-            req.segments_registered = True
-            self._register(req, runner)
-
-    def _register(self, req: Request, runner) -> None:
-        """Index the request's segments that are not in the index yet (KV already in its blocks),
-        replace early encodings it recomputed with more context, and merge the encodings it
-        computed exactly into the entries that already hold those segments."""
-        reuse = req.reuse
-        toks = req.prompt_token_ids
-        exact = req.exact_prefix_len is None          # nothing of it was blended
-        for span in req.segments:
-            if span.end - span.start < reuse.min_segment_tokens or span.end > req.num_computed_tokens:
-                continue
-            seg = toks[span.start:span.end]
-            entry = self.index.lookup(seg, req.cache_salt, count=False)
-            if entry is None:
-                self.index.insert(seg, req.cache_salt, req.blocks, span.start)
-            elif entry.locks:
-                continue
-            elif _too_early_for(entry, span.start, reuse):
-                self.index.remove(entry)      # an early encoding, recomputed here with more context
-                self.index.insert(seg, req.cache_salt, req.blocks, span.start)
-            elif (exact and span.start >= req.num_cached_tokens and entry.num_encodings < reuse.merge_encodings
-                  and _early(entry.start_pos, reuse) == _early(span.start, reuse)):
-                self._merge(entry, req, span, runner)
-
-    def _merge(self, entry: SegmentEntry, req: Request, span: SegmentSpan, runner) -> None:
-        """Merged encodings: the entry's KV becomes the running mean of its encodings and this one
-        (keys re-rotated to the entry's positions). An entry that shares its blocks (usually also
-        exact prefix-cache blocks, whose KV must stay exact) gets blocks of its own, the new mean
-        written straight into them (copy on write); skipped, with nothing changed, when the pool has
-        no free blocks for them."""
-        bs = self.block_size
-        first = entry.start_pos // bs
-        rows = np.arange(entry.start_pos, entry.start_pos + span.end - span.start)   # the entry's positions
-
-        def slots(blocks: list, positions: np.ndarray, block0: int) -> np.ndarray:
-            ids = np.fromiter((b.block_id for b in blocks), dtype=np.int64, count=len(blocks))
-            return ids[positions // bs - block0] * bs + positions % bs
-
-        src = slots(req.blocks, np.arange(span.start, span.end), 0)
-        mean = slots(entry.blocks, rows, first)          # read before copy-on-write replaces the blocks
-
-        def fold(dst_blocks: list) -> None:
-            # one pinned upload, as the step's inputs: a pageable one would wait for the forward
-            src_t, mean_t, dst_t, delta_t = runner.uploader.upload(
-                [src, mean, slots(dst_blocks, rows, first), np.full_like(src, entry.start_pos - span.start)])
-            merge_rerotated_all_layers_torch(runner.kv_caches, src_t, mean_t, dst_t, delta_t,
-                                             self.model.rotary.inv_freq, 1.0 / (entry.num_encodings + 1))
-
-        if self.index.owns_blocks(entry):
-            fold(entry.blocks)
-        elif not self.index.copy_on_write(entry, lambda old, new: fold(new)):
-            return
-        entry.num_encodings += 1
-
-
-def _too_early_for(entry: SegmentEntry, start: int, reuse: ReuseConfig) -> bool:
-    """`entry` was computed with too little before it (`min_context_tokens`) to serve a span that
-    starts at `start`, which has more."""
-    return _early(entry.start_pos, reuse) and not _early(start, reuse)
-
-
-def _early(start: int, reuse: ReuseConfig) -> bool:
-    """A segment starting at `start` has only the prompt's start before it (`min_context_tokens`)."""
-    return start < reuse.min_context_tokens
-
-
 def selection_layer(reuse: ReuseConfig) -> int:
     """The layer inside which reused rows are dropped (after it stores every row's K/V): F-1, the
     layer the probe reads. With F = 0 that is layer 0, whose K/V depend on token and position only,
@@ -539,13 +411,3 @@ def _true_indices(mask: torch.Tensor, count: int) -> torch.Tensor:
     # False entries all write to the spare last slot, which is dropped
     out.scatter_(0, torch.where(mask, rank, count), torch.arange(n, device=mask.device))
     return out[:count]
-
-
-class _RowSelector:
-    def __init__(self, blender: Blender, layers: frozenset[int]):
-        self.blender = blender
-        self.layers = layers
-
-    def __call__(self, layer_idx: int, ctx: ForwardContext) -> tuple[torch.Tensor, list[int]] | None:
-        return self.blender.select(layer_idx, ctx)
-

@@ -8,7 +8,8 @@ import torch
 
 from sparsex.cache.block_hash import BlockHash
 from sparsex.config import ReuseConfig
-from sparsex.outputs import RequestMetrics
+from sparsex.inputs import SegmentSpan
+from sparsex.outputs import RequestMetrics, ReusedSpan
 from sparsex.sampling_params import SamplingParams
 
 
@@ -23,13 +24,6 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
-
-
-@dataclass(frozen=True)
-class SegmentSpan:
-    """A piece of the prompt that may be reused from, or registered in, the segment index."""
-    start: int        # token offset in the prompt
-    end: int          # exclusive
 
 
 @dataclass(eq=False)
@@ -59,18 +53,21 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     # segment reuse
-    reuse_plan: object | None = None          # segment.blender.ReusePlan, locked until its forward ran
+    reuse_plan: object | None = None          # segment.reuse_planner.ReusePlan, locked until its forward ran
+    reuse_skipped: str | None = None          # why found segments were not (all) reused (set at admission)
     exact_prefix_len: int | None = None       # KV at positions >= this is approximate (blended)
     approx_block_hashes: list[BlockHash] = field(default_factory=list)   # approximate chain from block exact_prefix_len // block_size
     num_approx_cached_blocks: int = 0         # of approx_block_hashes, how many are registered in the pool
     segments_registered: bool = False
-    query_horizon: int | None = None          # evaluation only: new rows at/after it are teacher-forced
-                                              # continuation, hidden from query-side selection signals
-    # cache statistics of the (last) prefill
+    query_horizon: int | None = None          # TokenizedPrompt.query_horizon: tokens at/after it are a
+                                              # scored continuation, hidden from reuse planning and selection
+    # cache statistics of the (last) prefill: num_cached_tokens set at admission, the reuse counters
+    # and spans from the step result of its first prefill step (RequestOutput's fields of those names)
     num_cached_tokens: int = 0
-    num_reused_tokens: int = 0
+    num_reused_tokens: int = 0        # approximate-prefix tokens + segment-hit tokens
     num_recomputed_tokens: int = 0
     num_candidate_tokens: int = 0     # two-stage selection: reused tokens the first stage kept
+    reused_spans: list[ReusedSpan] = field(default_factory=list)
     metrics: RequestMetrics = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:

@@ -1,0 +1,84 @@
+"""After a step: what the engine does with a request's prompt segments once its prompt is computed.
+
+  new segments        indexed, pinning the request's blocks that hold them (their KV is there already);
+  early encodings     an entry computed right after a short head (`min_context_tokens`) that this
+                      request recomputed later in its prompt is replaced by this encoding;
+  merged encodings    a segment the index holds that this request computed exactly in another
+                      context (it did not blend: `blend=False`, as an ingestion pass sends, or below
+                      `min_blend_tokens`) is folded into the entry, which becomes the running mean of
+                      up to `merge_encodings` encodings, keys re-rotated to its position
+                      (`layers/triton_rerotate.merge_rerotated_all_layers_torch`); the entry first gets
+                      blocks of its own (`SegmentIndex.copy_on_write`), since its blocks are usually
+                      exact prefix-cache blocks too.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from sparsex.inputs import SegmentSpan
+from sparsex.layers.triton_rerotate import merge_rerotated_all_layers_torch
+from sparsex.request import Request
+from sparsex.segment.reuse_planner import early, too_early_for
+from sparsex.segment.segment_index import SegmentEntry, SegmentIndex
+
+
+class SegmentRegistrar:
+    def __init__(self, index: SegmentIndex, block_size: int, runner):
+        self.index = index
+        self.block_size = block_size
+        # the model runner: its KV caches, pinned uploader and the model's RoPE frequencies (read at
+        # each merge, so a benchmark that swaps the model is followed)
+        self.runner = runner
+
+    def register(self, req: Request) -> None:
+        """Index the request's segments that are not in the index yet (KV already in its blocks),
+        replace early encodings it recomputed with more context, and merge the encodings it
+        computed exactly into the entries that already hold those segments."""
+        reuse = req.reuse
+        toks = req.prompt_token_ids
+        exact = req.exact_prefix_len is None          # nothing of it was blended
+        for span in req.segments:
+            if span.end - span.start < reuse.min_segment_tokens or span.end > req.num_computed_tokens:
+                continue
+            seg = toks[span.start:span.end]
+            entry = self.index.lookup(seg, req.cache_salt, count=False)
+            if entry is None:
+                self.index.insert(seg, req.cache_salt, req.blocks, span.start)
+            elif entry.locks:
+                continue
+            elif too_early_for(entry, span.start, reuse):
+                self.index.remove(entry)      # an early encoding, recomputed here with more context
+                self.index.insert(seg, req.cache_salt, req.blocks, span.start)
+            elif (exact and span.start >= req.num_cached_tokens and entry.num_encodings < reuse.merge_encodings
+                  and early(entry.start_pos, reuse) == early(span.start, reuse)):
+                self._merge(entry, req, span)
+
+    def _merge(self, entry: SegmentEntry, req: Request, span: SegmentSpan) -> None:
+        """Merged encodings: the entry's KV becomes the running mean of its encodings and this one
+        (keys re-rotated to the entry's positions). An entry that shares its blocks (usually also
+        exact prefix-cache blocks, whose KV must stay exact) gets blocks of its own, the new mean
+        written straight into them (copy on write); skipped, with nothing changed, when the pool has
+        no free blocks for them."""
+        bs = self.block_size
+        first = entry.start_pos // bs
+        rows = np.arange(entry.start_pos, entry.start_pos + span.end - span.start)   # the entry's positions
+
+        def slots(blocks: list, positions: np.ndarray, block0: int) -> np.ndarray:
+            ids = np.fromiter((b.block_id for b in blocks), dtype=np.int64, count=len(blocks))
+            return ids[positions // bs - block0] * bs + positions % bs
+
+        src = slots(req.blocks, np.arange(span.start, span.end), 0)
+        mean = slots(entry.blocks, rows, first)          # read before copy-on-write replaces the blocks
+
+        def fold(dst_blocks: list) -> None:
+            # one pinned upload, as the step's inputs: a pageable one would wait for the forward
+            src_t, mean_t, dst_t, delta_t = self.runner.uploader.upload(
+                [src, mean, slots(dst_blocks, rows, first), np.full_like(src, entry.start_pos - span.start)])
+            merge_rerotated_all_layers_torch(self.runner.kv_caches, src_t, mean_t, dst_t, delta_t,
+                                             self.runner.model.rotary.inv_freq, 1.0 / (entry.num_encodings + 1))
+
+        if self.index.owns_blocks(entry):
+            fold(entry.blocks)
+        elif not self.index.copy_on_write(entry, lambda old, new: fold(new)):
+            return
+        entry.num_encodings += 1
