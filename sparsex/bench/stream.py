@@ -11,7 +11,6 @@ from sparsex.bench.policy_summary import mean, percentile
 from sparsex.bench.replay import progress_bar
 from sparsex.bench.report import environment, jsonable, loadavg, write_csv
 from sparsex.bench.workload_config import StreamConfig
-from sparsex.bench.plots import plot_stream
 from sparsex.bench.workload_prompts import tokenized_workload
 
 
@@ -103,6 +102,7 @@ def run_stream(cfg: StreamConfig) -> list[StreamSummary]:
     with open(os.path.join(cfg.out, "stream_summary.md"), "w") as f:
         f.write(stream_markdown(summaries, cfg))
     if cfg.plot_dir is not None:
+        from sparsex.bench.plots import plot_stream     # plotting is the optional bench extra
         plot_stream(summaries, os.path.join(cfg.plot_dir, "workload_stream_hit_rate.png"), cfg, env)
     return summaries
 
