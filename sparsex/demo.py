@@ -158,26 +158,17 @@ def build_questions(tokenizer, passages: list[Passage], num: int, k: int, seed: 
     return out
 
 
-def ingest(llm: LLM, system: str, passages: list[Passage], lead: Passage, passes: int = 3, group_size: int = 4,
-           seed: int = 0) -> int:
-    """Put every passage's KV in the segment cache; returns the number of prompts sent.
+def ingest(llm: LLM, system: str, passages: list[Passage], lead: Passage, seed: int = 0) -> int:
+    """Put every passage's KV in the segment cache (`LLM.ingest`); returns the number of prompts sent.
 
-    Each prompt is `[system, lead, *group, "\\n"]`. `lead` is a passage no question uses: it keeps the
-    group's passages past `ReuseConfig.min_context_tokens`, since an encoding computed right after a
-    short head is reused only at an early position. Every pass after the first regroups the passages
-    in a seeded order: each passage is computed exactly (`blend=False`) behind other neighbours, and
-    the engine keeps the mean of those encodings, which suits an unseen context better than any one."""
-    one = SamplingParams(temperature=0.0, max_tokens=1)
-    reuse = {"blend": False} if llm.llm_engine.segment_index is not None else None
-    rng = random.Random(seed)
-    prompts = []
-    for p in range(passes):
-        order = passages if p == 0 else rng.sample(passages, len(passages))
-        for i in range(0, len(order), group_size):
-            prompts.append({"segments": [system, lead.text, *(x.text for x in order[i:i + group_size]), "\n"]})
-    for prompt in prompts:                       # one at a time: each pass sees the ones before it
-        llm.generate(prompt, one, use_tqdm=False, reuse=reuse)
-    return len(prompts)
+    The prefix is the system prompt and `lead`, a passage no question uses: it keeps the passages past
+    `ReuseConfig.min_context_tokens`, since an encoding computed right after a short head is reused
+    only at an early position."""
+    if llm.llm_engine.segment_index is None:      # cache="prefix": nothing to ingest into
+        return 0
+    result = llm.ingest([p.text for p in passages], prefix=system + lead.text, passes=3, group_size=4,
+                        seed=seed, use_tqdm=False)
+    return result.num_prompts
 
 
 def answer(llm: LLM, question: Question, max_tokens: int) -> RequestOutput:
@@ -235,7 +226,18 @@ def demo(cfg: DemoConfig, console: Console | None = None) -> DemoReport:
         console.print(f"   {cfg.cache}: {_one_line(r.answer)}", soft_wrap=True, markup=False)
         if r.answer_full is not None and not r.same_answer:
             console.print(f"   full prefill: {_one_line(r.answer_full)}", soft_wrap=True, markup=False)
+    if base_dtype_note(dtype, rows):
+        console.print(base_dtype_note(dtype, rows), soft_wrap=True)
     return report
+
+
+def base_dtype_note(dtype: str, rows: list[DemoRow]) -> str | None:
+    """In bfloat16, rounding alone flips near-tied tokens between any two prefills, so answers that
+    differ need not be reuse's doing (docs/benchmarks.md, "Where SparseX loses")."""
+    if dtype != "bfloat16" or all(r.same_answer in (True, None) for r in rows):
+        return None
+    return ("note: in bfloat16, rounding alone changes near-tied tokens between two prefills; "
+            "`sparsex demo --dtype float32` compares the answers without it")
 
 
 def _one_line(text: str) -> str:

@@ -42,7 +42,7 @@ MODEL_TESTS = {
     "test_workload_bench.py": {"test_stream_end_to_end", "test_peer_vllm_exports_the_workload_and_prints_instructions"},
     "test_loader.py": {"test_qwen_coder_loads"},
 }
-MODEL_MODULES = {"test_gpu_engine.py"}                 # every test in them loads the model
+MODEL_MODULES = {"test_gpu_engine.py", "test_readme.py"}               # every test in them loads the model
 BENCH_MODULES = {"test_workload_bench.py"}             # their `model` tests run a workload benchmark
 BENCH_TESTS = {"test_cli.py": {"test_bench_throughput_and_prefill_tiny"}}
 GPU_MODULES = {"test_gpu_engine.py", "test_triton_kernels.py"}
