@@ -78,7 +78,12 @@ def test_bench_throughput_and_prefill_tiny(tmp_path: Path) -> None:
     plot = tmp_path / "prefill.png"
     proc = run_cli("bench", "prefill", "--lengths", "16,32", "--repeats", "1", "--plot", str(plot), "--threads", "1")
     assert proc.returncode == 0, proc.stderr
-    assert "HF keep=1 ms" in proc.stdout and plot.stat().st_size > 0
+    # one table row per requested length, each with positive timings, and the plot drawn from them
+    rows = {int(line.split()[0]): line.split()[1:4] for line in proc.stdout.splitlines()
+            if line.split() and line.split()[0].isdigit()}
+    assert sorted(rows) == [16, 32] and all(float(v) > 0 for r in rows.values() for v in r), proc.stdout
+    import matplotlib.image
+    assert matplotlib.image.imread(plot).shape[:2] == (480, 720)      # figsize 6 x 4 in at 120 dpi
 
 
 # ---------------------------------------------------------------- argument errors

@@ -22,6 +22,8 @@ from sparsex.entrypoints.background_server import BackgroundServer
 from sparsex.entrypoints.openai_server import build_app
 from sparsex.entrypoints.settings import ServerSettings
 
+from geo_passages import PASSAGES
+
 KEY = "test-key"
 TENANT = "X-Tenant"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -239,7 +241,9 @@ def test_segments_are_reused_out_of_order(server):
     r = server.post("/v1/completions", {"model": server.model, "segments": [q, PASSAGE_A, PASSAGE_B, q],
                                         "max_tokens": 2, "temperature": 0}, headers=tenant)
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["sparsex"]["segment_reused_tokens"] == 0
+    exact = r.json()["usage"]["sparsex"]
+    assert exact["segment_reused_tokens"] == 0 and exact["reused_spans"] == []
+    assert "min_blend_tokens" in exact["reuse_skipped"] and "< 256" in exact["reuse_skipped"]   # and says why
 
 
 def test_reuse_overrides_need_the_flag(server, strict):
@@ -258,19 +262,7 @@ def test_reuse_overrides_need_the_flag(server, strict):
                   "reuse.recompute_rate")
 
 
-INGEST_PASSAGES = [
-    PASSAGE_A, PASSAGE_B,
-    "The Great Barrier Reef lies off the coast of Queensland in Australia. It is the largest coral reef system on "
-    "the planet; warming seas have bleached large parts of it in recent decades. ",
-    "Lake Baikal in Siberia is the deepest and oldest freshwater lake in the world. It holds about a fifth of the "
-    "unfrozen fresh water on the Earth's surface and is home to the nerpa, a freshwater seal. ",
-    "The Sahara is the largest hot desert in the world, covering much of North Africa. Its sand dunes can reach "
-    "180 metres in height, yet most of its surface is stony plateau rather than sand. ",
-    "The Atacama Desert in northern Chile is one of the driest places on Earth. Some of its weather stations have "
-    "never recorded rain, and astronomers build telescopes there for its clear, dry skies. ",
-    "The Nile is often called the longest river in the world. It flows north through eleven countries, and its "
-    "yearly flood made the farmland of ancient Egypt one of the richest in the world. ",
-]
+INGEST_PASSAGES = [PASSAGE_A, PASSAGE_B, *(PASSAGES[i] for i in (2, 3, 4, 6, 7))]
 INGEST_PREFIX = "You answer questions about geography using only the passages that follow. " * 11
 
 
@@ -294,7 +286,8 @@ def test_segments_endpoint_ingests_per_tenant(server):
     assert got["num_tokens_computed"] > 0 and got["num_segment_entries"] >= len(INGEST_PASSAGES)
     assert ask(b)["segment_reused_tokens"] == 0          # another tenant finds nothing
     hit = ask(a)                                         # positive control: the ingesting tenant
-    assert hit["segment_reused_tokens"] > 0
+    assert hit["segment_reused_tokens"] > 0 and hit["reuse_skipped"] is None
+    assert sum(span["end"] - span["start"] for span in hit["reused_spans"]) == hit["segment_reused_tokens"]
     for span in hit["reused_spans"]:
         assert set(span) == {"start", "end", "source", "prompt_index"} and span["source"] in ("segment", "approx_prefix")
 
