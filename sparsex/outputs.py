@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -66,3 +70,6 @@ class RequestOutput:
     # why indexed segments were found but not reused (e.g. "hits below min_blend_tokens (200 < 256)");
     # None when everything found was reused, or nothing was found
     reuse_skipped: str | None = None
+    # SamplingParams.distributions_from: position -> the full next-token log-distribution there
+    # ([vocab] float32, CPU), on the finished output; a reused row that was not recomputed has none
+    distributions: dict[int, torch.Tensor] | None = None

@@ -43,6 +43,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    distributions: dict[int, torch.Tensor] | None = None     # SamplingParams.distributions_from
     num_computed_tokens: int = 0
     blocks: list = field(default_factory=list)          # the block table, as KVCacheBlock objects
     block_hashes: list[BlockHash] = field(default_factory=list)
@@ -74,6 +75,8 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+        if self.params.distributions_from is not None:
+            self.distributions = {}
 
     @property
     def approx_prefix_enabled(self) -> bool:

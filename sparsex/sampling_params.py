@@ -35,6 +35,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None    # top-k logprobs of each generated token (plus the sampled one)
     prompt_logprobs: int | None = None
+    # scoring: the full next-token log-distribution at every position >= this one that the request
+    # computes (the prompt's tail, then each generated token), in RequestOutput.distributions
+    distributions_from: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -69,6 +72,8 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (not _is_int(k) or k < 0 or k > MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        if self.distributions_from is not None and (not _is_int(self.distributions_from) or self.distributions_from < 0):
+            raise ValueError(f"distributions_from must be an integer >= 0, got {self.distributions_from!r}")
         if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
             raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):

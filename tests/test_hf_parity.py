@@ -73,6 +73,29 @@ def test_prompt_logprobs_match_transformers(llm_none, hf_model, wiki_texts):
         assert set(top) <= set(d)
 
 
+
+def test_distributions_match_transformers_over_prompt_tail_and_generated_tokens(llm_none, hf_model, wiki_texts):
+    ids = llm_none.get_tokenizer().encode(wiki_texts[3][:500])
+    n = len(ids)
+    out = llm_none.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=3, logprobs=0,
+                                                                      distributions_from=n - 4), use_tqdm=False)[0]
+    gen = out.outputs[0].token_ids
+    # the prompt's last 4 rows (the last one predicts generated token 1), then the rows of generated
+    # tokens 1 and 2 (which predict tokens 2 and 3); token 3's own row is never computed
+    assert sorted(out.distributions) == list(range(n - 4, n + 2))
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids + gen])).logits[0].float(), -1)   # [T, vocab]
+    for pos, d in out.distributions.items():
+        assert d.shape == (ref.shape[-1],) and d.dtype == torch.float32
+        assert (d - ref[pos]).abs().max().item() < 2e-3, pos
+    for t, tok in enumerate(gen):          # the greedy tokens are the distributions' argmax, at their logprob
+        assert int(out.distributions[n - 1 + t].argmax()) == tok
+        assert abs(out.outputs[0].logprobs[t][tok] - ref[n - 1 + t, tok].item()) < 2e-3
+    with pytest.raises(ValueError, match="distributions_from"):
+        SamplingParams(distributions_from=-1)
+    plain = llm_none.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    assert plain.distributions is None
+
 # ---- Qwen2 architecture: q/k/v biases, untied head -------------------------------------------
 
 def _tiny_qwen2_dir(tmp_path, tokenizer) -> str:

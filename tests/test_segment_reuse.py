@@ -42,7 +42,7 @@ def _prompt(engine, head, passages, question):
 def _logits_at_end(engine, prompt, reuse=None, k=16):
     """Log-distributions at the last k prompt positions (inside the question: new tokens, always computed)."""
     n = len(prompt.token_ids)
-    _, cap = run_to_completion(engine, prompt, ONE, reuse=reuse, capture=set(range(n - k, n)))
+    _, cap = run_to_completion(engine, prompt, ONE, reuse=reuse, distributions_from=n - k)
     return torch.stack([cap[p] for p in range(n - k, n)])
 
 
@@ -203,7 +203,7 @@ def test_next_turn_continues_blended_blocks_on_the_approximate_chain(llm_sx, llm
     out_off, _ = run_to_completion(eng, t2, ONE, reuse={**naive, "approx_prefix": False})
     assert out_off.num_cached_tokens == 0 and eng.stats().approx_prefix_hits == hits0   # exact chain: nothing
     n2 = len(t2.token_ids)
-    out_on, cap = run_to_completion(eng, t2, ONE, reuse=naive, capture=set(range(n2 - 16, n2)))
+    out_on, cap = run_to_completion(eng, t2, ONE, reuse=naive, distributions_from=n2 - 16)
     assert out_on.num_cached_tokens == 0                           # approximate hits never count as exact
     assert out_on.num_reused_tokens == (n1 // 16) * 16              # turn 1's full blocks, as they are
     assert out_on.num_recomputed_tokens == 0

@@ -14,6 +14,7 @@ distribution with the reference one:
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -78,19 +79,19 @@ def pieces_prompt(engine: LLMEngine, pieces: list[str | list[int]], reusable: li
 
 
 def run_to_completion(engine: LLMEngine, prompt, params: SamplingParams, reuse: dict | None = None,
-                      capture: set[int] | None = None) -> tuple[RequestOutput, dict[int, torch.Tensor]]:
+                      distributions_from: int | None = None) -> tuple[RequestOutput, dict[int, torch.Tensor]]:
+    """Run one request alone to completion; with `distributions_from`, also its full next-token
+    log-distributions from that position on (`SamplingParams.distributions_from`)."""
     rid = f"fid-{next(_ids)}"
-    if capture:
-        engine.runner.capture_positions[rid] = capture
+    if distributions_from is not None:
+        params = dataclasses.replace(params, distributions_from=distributions_from)
     engine.add_request(rid, prompt, params, reuse=reuse)
     out = None
     while engine.has_unfinished_requests():
         for o in engine.step():
             if o.request_id == rid and o.finished:
                 out = o
-    captured = engine.runner.captured_logprobs.pop(rid, {})
-    engine.runner.capture_positions.pop(rid, None)
-    return out, captured
+    return out, out.distributions or {}
 
 
 def reference(ref_engine: LLMEngine, prompt: TokenizedPrompt, num_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
@@ -99,8 +100,7 @@ def reference(ref_engine: LLMEngine, prompt: TokenizedPrompt, num_tokens: int) -
     cont = out.outputs[0].token_ids
     full = TokenizedPrompt(prompt.token_ids + cont, None, [])
     n = len(prompt.token_ids)
-    _, cap = run_to_completion(ref_engine, full, SamplingParams(temperature=0, max_tokens=1),
-                               capture=set(range(n - 1, n + len(cont) - 1)))
+    _, cap = run_to_completion(ref_engine, full, SamplingParams(temperature=0, max_tokens=1), distributions_from=n - 1)
     return cont, [cap[p] for p in range(n - 1, n + len(cont) - 1)]
 
 
@@ -115,7 +115,7 @@ def teacher_forced(engine: LLMEngine, prompt: TokenizedPrompt, cont: list[int], 
     n = len(prompt.token_ids)
     full = TokenizedPrompt(prompt.token_ids + cont, None, list(prompt.segments), prompt.cache_salt, query_horizon=n)
     out, cap = run_to_completion(engine, full, SamplingParams(temperature=0, max_tokens=1), reuse=reuse,
-                                 capture=set(range(n - 1, n + len(cont) - 1)))
+                                 distributions_from=n - 1)
     m = compare_positions(ref_lps, [cap[n - 1 + t] for t in range(len(ref_lps))], cont)
     return FidelityResult(m.top1, m.kl, m.match_len, out.metrics.ttft or 0.0, len(full.token_ids),
                           out.num_cached_tokens, out.num_reused_tokens, out.num_recomputed_tokens, m.miss_margins,

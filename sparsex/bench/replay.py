@@ -68,9 +68,8 @@ def compute_reference(engine: LLMEngine, prompt: TokenizedPrompt, fidelity_token
     from sparsex.sampling_params import SamplingParams
     n = len(prompt.token_ids)
     steps = max(fidelity_tokens or 1, answer_tokens or 1)
-    capture = set(range(n - 1, n - 1 + fidelity_tokens)) if fidelity_tokens else None
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=bool(fidelity_tokens) and past_eos)
-    out, cap = run_to_completion(engine, prompt, params, capture=capture)
+    out, cap = run_to_completion(engine, prompt, params, distributions_from=n - 1 if fidelity_tokens else None)
     ids = list(out.outputs[0].token_ids)
     answer = _through_eos(ids[:answer_tokens or 0], engine.eos_token_ids)
     ref = Reference(out.metrics.ttft or 0.0, answer)

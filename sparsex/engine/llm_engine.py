@@ -218,6 +218,8 @@ class LLMEngine:
                     req.metrics.first_scheduled_time = now
                 for pos, d in res.prompt_logprobs:
                     req.prompt_logprobs[pos] = d
+                for pos, d in res.distributions:
+                    req.distributions[pos] = d
                 if s.admitted:
                     self._set_reuse_counters(req, s, res)
                 if res.sampled_token is None:
@@ -324,6 +326,8 @@ class LLMEngine:
             num_cached_tokens=first.num_cached_tokens, num_reused_tokens=first.num_reused_tokens,
             num_recomputed_tokens=first.num_recomputed_tokens, num_candidate_tokens=first.num_candidate_tokens,
             reused_spans=list(first.reused_spans), reuse_skipped=first.reuse_skipped)
+        if out.finished and first.distributions is not None:
+            out.distributions = dict(first.distributions)
         if out.finished:
             for r in group:
                 self.requests.pop(r.request_id, None)

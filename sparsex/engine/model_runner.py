@@ -41,6 +41,7 @@ class RequestStepResult:
     sampled_token: int | None = None
     logprobs: dict[int, float] | None = None
     prompt_logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)  # (position, dict)
+    distributions: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (position, [vocab] log-probs)
     blend: BlendResult | None = None        # a blended prefill's outcome (segment/step_blend.py)
 
 
@@ -104,10 +105,6 @@ class ModelRunner:
         # the engine's cache state (`reset_blend_state`), and the CUDA copy's address tables
         self.selection_generator = torch.Generator().manual_seed(config.seed)
         self.layer_pointers = LayerPointerCache()
-        # evaluation hook (fidelity benchmarks/tests): request_id -> positions whose full next-token
-        # log-distribution is kept in `captured_logprobs[request_id][position]` ([vocab] float32, CPU)
-        self.capture_positions: dict[str, set[int]] = {}
-        self.captured_logprobs: dict[str, dict[int, torch.Tensor]] = {}
         self.timings = StepTimings()
         self.max_model_len = max_model_len
         self.uploader = PinnedUploader(self.device)
@@ -135,16 +132,18 @@ class ModelRunner:
                              f"({self.bytes_per_block()} bytes each)")
         return int(n)
 
-    def _capture(self, sched, cu, positions, hidden, row_of) -> None:
+    def _distributions(self, sched, cu, positions, hidden, row_of, results) -> None:
+        """SamplingParams.distributions_from: each computed row at or after that position, as its
+        full next-token log-distribution (a reused row dropped before the last layer has none)."""
         for si, s in enumerate(sched.scheduled):
-            want = self.capture_positions.get(s.request.request_id)
-            if not want:
+            start = s.request.params.distributions_from
+            if start is None:
                 continue
-            got = self.captured_logprobs.setdefault(s.request.request_id, {})
+            out = results[s.request.request_id].distributions
             for r in range(cu[si], cu[si + 1]):
                 h = r if row_of is None else row_of.get(r)
-                if positions[r] in want and h is not None:
-                    got[positions[r]] = torch.log_softmax(self.model.compute_logits(hidden[h:h + 1]).float(), -1)[0].cpu()
+                if positions[r] >= start and h is not None:
+                    out.append((positions[r], torch.log_softmax(self.model.compute_logits(hidden[h:h + 1]).float(), -1)[0].cpu()))
 
     def _host_inputs(self, sched: SchedulerOutput) -> _StepInputs:
         """Every index array of the step, in numpy (no device work): rows of all sequences, flat."""
@@ -179,8 +178,10 @@ class ModelRunner:
 
     def _graph_ok(self, sched: SchedulerOutput) -> bool:
         """CUDA graphs only for steps whose every request is a one-row decode and nothing blends."""
-        if self.device.type != "cuda" or self.enforce_eager or self.capture_positions:
+        if self.device.type != "cuda" or self.enforce_eager:
             return False
+        if any(s.request.params.distributions_from is not None for s in sched.scheduled):
+            return False          # a graph computes the sampled rows' logits only
         if len(sched.scheduled) > min(self.config.max_num_seqs, BATCH_SIZES[-1]):
             return False
         return all(s.num_new_tokens == 1 and s.reuse_plan is None
@@ -236,16 +237,16 @@ class ModelRunner:
                 results[rid].blend = blended
             self.timings.blend_copy_s += blend.copy_seconds
             self.timings.selection_s += blend.selection_seconds
-        need_positions = self.capture_positions or any(s.request.params.prompt_logprobs is not None
-                                                       for s in sched.scheduled)
+        need_positions = any(s.request.params.prompt_logprobs is not None
+                             or s.request.params.distributions_from is not None for s in sched.scheduled)
         # map full-batch row -> row of `hidden` (a device read: only when rows other than the
         # sampled ones are needed)
         row_of = None
         if ctx.kept_rows is not None and need_positions:
             row_of = {int(r): i for i, r in enumerate(ctx.kept_rows.tolist())}
         positions = step.positions.tolist() if need_positions else None
-        if self.capture_positions:
-            self._capture(sched, cu, positions, hidden, row_of)
+        if any(s.request.params.distributions_from is not None for s in sched.scheduled):
+            self._distributions(sched, cu, positions, hidden, row_of, results)
         # prompt logprobs: every computed row that predicts a prompt token
         dev = self.device
         for si, s in enumerate(sched.scheduled):
