@@ -85,14 +85,15 @@ def _add_generate(sub, common: argparse.ArgumentParser) -> None:
 
 
 def _add_demo(sub, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("demo", parents=[common], help="RAG + chat workload with segment reuse, vs no cache",
-                       description="Run a small interleaved RAG + chat workload with KV reuse, print each "
-                                   "answer with its TTFT and cache counters, then compare with cache=none.")
+    p = sub.add_parser("demo", parents=[common], help="RAG questions over ingested passages, with segment reuse vs full prefill",
+                       description="Ingest a few Wikipedia passages, then ask questions over them in new orders: "
+                                   "per question the tokens served from cache and recomputed, TTFT with reuse "
+                                   "against full prefill (cache=none), and whether the answers match.")
     p.add_argument("--cache", choices=CACHE_MODES, default=EngineConfig.cache)
     p.add_argument("--dtype", choices=DTYPES, default=EngineConfig.dtype,
                    help="auto (default): bfloat16 where it runs natively, else float32")
     p.add_argument("--max-tokens", type=positive_int, default=24)
-    p.add_argument("--quick", action="store_true", help="3 short requests (a smoke test)")
+    p.add_argument("--quick", action="store_true", help="2 questions over 4 passages (a smoke test)")
     p.add_argument("--no-compare", action="store_true", help="skip the cache=none rerun")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_run_demo)
