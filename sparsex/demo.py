@@ -164,7 +164,7 @@ def ingest(llm: LLM, system: str, passages: list[Passage], lead: Passage, seed: 
     The prefix is the system prompt and `lead`, a passage no question uses: it keeps the passages past
     `ReuseConfig.min_context_tokens`, since an encoding computed right after a short head is reused
     only at an early position."""
-    if llm.llm_engine.segment_index is None:      # cache="prefix": nothing to ingest into
+    if not llm.llm_engine.config.enable_prefix_caching:      # cache="none" keeps nothing
         return 0
     result = llm.ingest([p.text for p in passages], prefix=system + lead.text, passes=3, group_size=4,
                         seed=seed, use_tqdm=False)

@@ -250,13 +250,15 @@ class LLMEngine:
 
     def _set_reuse_counters(self, req: Request, s: ScheduledRequest, res: RequestStepResult) -> None:
         """A request's reuse counters and spans, once, from its first step since admission: the
-        approximate-chain prefix the scheduler continued, then the segment hits its forward blended."""
+        approximate-chain prefix the scheduler continued, then the segment hits of its plan, and
+        what its forward's selection kept of them."""
         spans = []
         if s.num_approx_tokens:
             spans.append(ReusedSpan(req.num_cached_tokens, req.num_cached_tokens + s.num_approx_tokens, "approx_prefix"))
+        if s.reuse_plan is not None:
+            spans.extend(ReusedSpan(span.start, span.end, "segment") for span, _ in s.reuse_plan.hits)
         blend = res.blend
         if blend is not None:
-            spans.extend(blend.reused_spans)
             self.num_recomputed_tokens += blend.num_recomputed_tokens
         req.reused_spans = spans
         req.num_reused_tokens = sum(span.num_tokens for span in spans)

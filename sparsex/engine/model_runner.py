@@ -237,15 +237,16 @@ class ModelRunner:
                 results[rid].blend = blended
             self.timings.blend_copy_s += blend.copy_seconds
             self.timings.selection_s += blend.selection_seconds
-        need_positions = any(s.request.params.prompt_logprobs is not None
-                             or s.request.params.distributions_from is not None for s in sched.scheduled)
+        want_distributions = any(s.request.params.distributions_from is not None for s in sched.scheduled)
+        need_positions = want_distributions or any(s.request.params.prompt_logprobs is not None
+                                                   for s in sched.scheduled)
         # map full-batch row -> row of `hidden` (a device read: only when rows other than the
         # sampled ones are needed)
         row_of = None
         if ctx.kept_rows is not None and need_positions:
             row_of = {int(r): i for i, r in enumerate(ctx.kept_rows.tolist())}
         positions = step.positions.tolist() if need_positions else None
-        if any(s.request.params.distributions_from is not None for s in sched.scheduled):
+        if want_distributions:
             self._distributions(sched, cu, positions, hidden, row_of, results)
         # prompt logprobs: every computed row that predicts a prompt token
         dev = self.device

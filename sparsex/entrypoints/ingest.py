@@ -35,6 +35,7 @@ class IngestResult:
 @dataclass(frozen=True)
 class IngestPlan:
     passes: list[list[Any]]             # per pass, the TokenizedPrompts to run (in any order within a pass)
+    reuse: list[dict | None]            # per pass, its reuse overrides (MERGE_PASS_REUSE after the first)
     num_segments: int
 
     @property
@@ -85,12 +86,8 @@ def plan_ingest(engine: LLMEngine, segments: Sequence[str], *, prefix: str | Non
                                  f"is {limit}: lower group_size")
             prompts.append(tp)
         plan.append(prompts)
-    return IngestPlan(plan, len(segments))
-
-
-def pass_reuse(engine: LLMEngine, pass_index: int) -> dict | None:
-    """The reuse overrides of pass `pass_index` (0-based)."""
-    return MERGE_PASS_REUSE if pass_index > 0 and engine.config.enable_segment_reuse else None
+    merge = MERGE_PASS_REUSE if engine.config.enable_segment_reuse else None
+    return IngestPlan(plan, [None] + [merge] * (passes - 1), len(segments))
 
 
 def ingest_result(engine: LLMEngine, plan: IngestPlan, outputs: list[RequestOutput]) -> IngestResult:

@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from sparsex.config import EngineConfig
 from sparsex.engine.llm_engine import LLMEngine
-from sparsex.entrypoints.ingest import INGEST_PARAMS, IngestResult, ingest_result, pass_reuse, plan_ingest
+from sparsex.entrypoints.ingest import INGEST_PARAMS, IngestResult, ingest_result, plan_ingest
 from sparsex.outputs import RequestOutput
 from sparsex.sampling_params import SamplingParams
 
@@ -78,8 +78,8 @@ class LLM:
         plan = plan_ingest(engine, segments, prefix=prefix, cache_salt=cache_salt, passes=passes,
                            group_size=group_size, seed=seed)
         outputs: list[RequestOutput] = []
-        for i, prompts in enumerate(plan.passes):
-            outputs += self._run(prompts, [INGEST_PARAMS] * len(prompts), use_tqdm, pass_reuse(engine, i))
+        for prompts, reuse in zip(plan.passes, plan.reuse):
+            outputs += self._run(prompts, [INGEST_PARAMS] * len(prompts), use_tqdm, reuse)
         return ingest_result(engine, plan, outputs)
 
     @staticmethod

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from sparsex.config import EngineConfig, ReuseConfig, knob_meta, knob_type
+from sparsex.config import EngineConfig, ReuseConfig, engine_knob_names, knob_meta, knob_type, reuse_knob_names
 
 DEFAULT_MODEL = EngineConfig.model
 ENGINE_GROUP, REUSE_GROUP, ADVANCED_GROUP = "engine", "segment reuse", "advanced segment reuse"
@@ -41,7 +41,7 @@ def flag_name(field_name: str) -> str:
 def engine_fields(skip: tuple[str, ...] = ("model",)) -> list[tuple[type, dataclasses.Field]]:
     """(owner class, field) of every engine knob, EngineConfig's first (without the nested `reuse`)."""
     out = [(EngineConfig, f) for f in dataclasses.fields(EngineConfig)
-           if not f.metadata.get("nested") and f.name not in skip]
+           if f.name in engine_knob_names() and f.name not in skip]
     return out + [(ReuseConfig, f) for f in dataclasses.fields(ReuseConfig)]
 
 
@@ -68,7 +68,7 @@ def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ("model"
 
 def engine_knobs(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict[str, Any]:
     """The engine knobs among parsed arguments, by field name (what `LLM(**knobs)` takes)."""
-    names = [f.name for _, f in engine_fields(skip=())]
+    names = engine_knob_names() + reuse_knob_names()
     return {n: getattr(args, n) for n in names if hasattr(args, n) and n not in skip}
 
 

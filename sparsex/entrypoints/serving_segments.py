@@ -11,7 +11,7 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from sparsex.entrypoints.ingest import INGEST_PARAMS, IngestPlan, ingest_result, pass_reuse, plan_ingest
+from sparsex.entrypoints.ingest import INGEST_PARAMS, IngestPlan, ingest_result, plan_ingest
 from sparsex.entrypoints.protocol import IngestRequest, IngestResponse
 from sparsex.entrypoints.serving_common import (
     SCOPE_HEADER,
@@ -37,8 +37,7 @@ async def ingest_segments(body: IngestRequest, request: Request, ctx: ServingCon
         raise engine_error(e, ctx.settings, "segments") from e
     request_id = new_id("ingest")
     outputs = []
-    for i, prompts in enumerate(ingest.passes):
-        reuse = await ctx.engine.call(lambda engine, i=i: pass_reuse(engine, i))
+    for i, (prompts, reuse) in enumerate(zip(ingest.passes, ingest.reuse)):
         streams = await start_requests(ctx, f"{request_id}-p{i}", prompts, INGEST_PARAMS, reuse, "segments")
         try:
             outputs += await final_outputs(streams)

@@ -55,6 +55,7 @@ class ReusePlanner:
         the request is computed exactly."""
         reuse = req.reuse
         hits = []
+        found_unblended = False   # blend=False: an entry exists that this request will not reuse
         early = []            # entries found, but computed too early for their position here
         queried = 0
         toks = req.prompt_token_ids
@@ -68,8 +69,7 @@ class ReusePlanner:
                 continue          # the last prompt token must be computed: its logits start decoding
             if not reuse.blend:
                 # computed exactly (the registrar merges its segments); looked up only to report it
-                if self.index.lookup(toks[span.start:span.end], req.cache_salt, count=False) is not None:
-                    hits.append((span, None))
+                found_unblended |= self.index.lookup(toks[span.start:span.end], req.cache_salt, count=False) is not None
                 continue
             queried += span.end - span.start
             # counted in `admitted`: a request that waits is planned again next step
@@ -80,7 +80,7 @@ class ReusePlanner:
             if entry is not None:
                 hits.append((span, entry))
         if not reuse.blend:
-            skipped = "blend=False: computed exactly" if hits else None
+            skipped = "blend=False: computed exactly" if found_unblended else None
             self._pending[req.request_id] = _Pending(0, (), skipped)
             return None
         reasons = []
@@ -88,10 +88,11 @@ class ReusePlanner:
             reasons.append(f"{len(early)} segment{'s' if len(early) > 1 else ''} computed right after a short head "
                            f"(min_context_tokens={reuse.min_context_tokens}): recomputed")
         plan = ReusePlan(reuse, tuple(hits))
-        if hits and plan.num_reused_tokens < reuse.min_blend_tokens:
+        blends = bool(hits) and plan.num_reused_tokens >= reuse.min_blend_tokens
+        if hits and not blends:
             reasons.append(f"hits below min_blend_tokens ({plan.num_reused_tokens} < {reuse.min_blend_tokens})")
         skipped = "; ".join(reasons) or None
-        if not hits or plan.num_reused_tokens < reuse.min_blend_tokens:
+        if not blends:
             self._pending[req.request_id] = _Pending(queried, (), skipped)   # too little to blend: exact
             return None
         for _, entry in hits:

@@ -46,18 +46,16 @@ from sparsex.config import ReuseConfig
 from sparsex.layers import triton_probe
 from sparsex.layers.forward_context import ForwardContext
 from sparsex.layers.triton_rerotate import LayerPointers, copy_and_rerotate_all_layers_torch, copy_and_rerotate_layers
-from sparsex.outputs import ReusedSpan
 from sparsex.request import Request
 from sparsex.segment import selectors
 
 
 @dataclass(frozen=True)
 class BlendResult:
-    """What one request's blended prefill did (host values, known without a device sync)."""
-    num_reused_tokens: int          # tokens of the segment hits (before recomputation)
+    """What one request's selection kept (host values, known without a device sync); which tokens
+    were reused is its `ReusePlan`."""
     num_candidate_tokens: int       # reused tokens the first selection kept
     num_recomputed_tokens: int      # reused tokens the last selection kept: recomputed in every layer
-    reused_spans: tuple[ReusedSpan, ...]    # the segment hits' prompt spans, source "segment"
 
 
 @dataclass
@@ -78,7 +76,6 @@ class _SeqBlend:
     pending: tuple[torch.Tensor, torch.Tensor] | None = None
     selected: int = 0                  # reused rows the last selection kept
     candidates: int = 0                # reused rows the first selection kept
-    spans: tuple[ReusedSpan, ...] = ()  # the reused segments' prompt spans
 
     @property
     def num_reused(self) -> int:
@@ -154,7 +151,7 @@ class StepBlend:
 
     def results(self) -> dict[str, BlendResult]:
         """Each blended request's outcome, by request id (host values: read after the forward)."""
-        return {b.request.request_id: BlendResult(b.num_reused, b.candidates, b.selected, b.spans)
+        return {b.request.request_id: BlendResult(b.candidates, b.selected)
                 for b in self._seqs}
 
     def _copy_reused(self, sched, ctx: ForwardContext, first_layer: int) -> None:
@@ -204,8 +201,7 @@ class StepBlend:
             col += h.shape[1]
             self._seqs.append(_SeqBlend(sched.scheduled[si].request, plan.reuse, part[3], part[4], part[5],
                                         seq_index=si, seg_lens=seg_lens,
-                                        query_rows=query_t[qcol:qcol + len(query_rows)],
-                                        spans=tuple(ReusedSpan(span.start, span.end, "segment") for span, _ in plan.hits)))
+                                        query_rows=query_t[qcol:qcol + len(query_rows)]))
             qcol += len(query_rows)
         if dev.type == "cuda":
             copy_and_rerotate_layers(self.pointers.get(ctx.kv_caches, first_layer), src_t, dst_t, delta_t, self.inv_freq)
