@@ -19,6 +19,9 @@ Sections (each prints a table; all numbers of a table come from this one process
            in a row) and idle start (interleaved, the GPU idle IDLE_S before each request, so none
            inherits the power/clock state the previous one left). `--variants "k=v,k=v;..."` replays
            more knob sets of the sparsex engine (per-request reuse overrides) the same way.
+  spans    what finding spans by content costs on the TTFT path at 8k and 32k tokens: passages cached
+           by an earlier prompt, asked for in another order as explicit segments and as one unmarked
+           run of token ids; span search ms and its share of the blended TTFT.
   blendprof  one blended request at 16 and 64 passages (8k and 32k tokens): host time per engine phase and the GPU
            timeline (busy, idle, largest gaps) from torch.profiler.
   syncs    every host<-device synchronisation of one blended request (torch's sync debug mode), with
@@ -58,7 +61,7 @@ MODEL = "dummy:llama3-8b"
 MAX_LEN = 40960
 # (tokens, warm-up, repeats) per prefill; decode batches and context; blend passages per prompt x tokens each
 SIZES = {"prefill": ((2048, 2, 5), (8192, 1, 3), (32768, 1, 3)), "profile": 8192, "decode_batches": (1, 16, 64),
-         "decode_ctx": 2048, "passages": (8, 16, 32, 64), "passage_len": 512}
+         "decode_ctx": 2048, "passages": (8, 16, 32, 64), "passage_len": 512, "span_passages": (16, 64)}
 GIB = 1 << 30
 RESULTS: dict = {}
 _rng = np.random.default_rng(0)
@@ -699,6 +702,56 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM,
     RESULTS["request_wall_clock"] = WALL
 
 
+def section_spans(llm_none: LLM, llm_sx: LLM) -> None:
+    """What finding spans by content costs on the TTFT path: the same passages cached by an earlier
+    prompt, asked for in another order, sent as explicit segments (found whole; the span search
+    still scans the rest of the prompt) and as one unmarked run of token ids (every passage found by
+    content, in the exact KV an earlier request left). Interleaved, three requests per row, medians."""
+    span_index = llm_sx.llm_engine.span_index
+    plen, rows, out = SIZES["passage_len"], [], []
+    for k in SIZES["span_passages"]:
+        passages = [rand_ids(plen) for _ in range(k)]
+        order = lambda r: np.random.default_rng(5000 * k + r).permutation(k)
+        head = lambda r: np.random.default_rng(70 + r).integers(3, 48000, 40).tolist()
+        for form in ("explicit segments", "one message"):
+            def prompt(r, q, form=form):
+                pieces = [head(r)] + [passages[i] for i in order(r)] + [q]
+                if form == "explicit segments":
+                    return {"segments": pieces}
+                return {"prompt_token_ids": [t for p_ in pieces for t in p_]}
+            # a filler first, so that no passage is computed right after the short head (min_context_tokens)
+            prime = [head(0), rand_ids(plen)] + passages + [rand_ids(48)]
+            llm_sx.reset_cache()
+            _ttft(llm_sx, {"segments": prime} if form == "explicit segments"
+                  else {"prompt_token_ids": [t for p_ in prime for t in p_]}, f"sp-prime{k}-{form}")
+            _ttft(llm_sx, prompt(11, rand_ids(48)), f"sp-warm{k}-{form}")          # compiles, untimed
+            _ttft(llm_none, prompt(11, rand_ids(48)), f"sp-warmn{k}-{form}")
+            t_none, t_sx, search, found = [], [], [], []
+            for r in (1, 2, 3):
+                q = rand_ids(48)
+                t_none.append(1e3 * _ttft(llm_none, prompt(r, q), f"spn{k}-{r}-{form}")[0])
+                s0 = span_index.search_seconds
+                ts, o = _ttft(llm_sx, prompt(r, q), f"sps{k}-{r}-{form}")
+                t_sx.append(1e3 * ts)
+                search.append(1e3 * (span_index.search_seconds - s0))
+                found.append((o.num_reused_tokens, sorted({s.source for s in o.reused_spans})))
+            med = {"none": statistics.median(t_none), "sparsex": statistics.median(t_sx),
+                   "search": statistics.median(search)}
+            n_tok = 40 + plen * k + 48
+            rows.append([f"{k} x {plen} = {n_tok:,}", form, f"{med['none']:.1f}", f"{med['sparsex']:.1f}",
+                         f"{med['sparsex'] / med['none']:.3f}", f"{med['search']:.2f}",
+                         f"{100 * med['search'] / med['sparsex']:.2f}%",
+                         f"{found[-1][0]:,} ({', '.join(found[-1][1])})", f"{span_index.num_anchors():,}"])
+            out.append({"passages": k, "tokens": n_tok, "form": form, "ttft_ms": med, "search_ms": search,
+                        "reused_sources": found, "anchors": span_index.num_anchors()})
+            log(f"spans {k} {form}: {out[-1]}")
+    table("Span search on the TTFT path (random weights + random token ids, Llama-3-8B shape, bf16; "
+          "cache=sparsex defaults, transparent_segments on)",
+          ["prompt tokens", "prompt form", "none ms", "sparsex ms", "sparsex / none", "span search ms",
+           "share of sparsex TTFT", "reused tokens (sources)", "anchors indexed"], rows)
+    RESULTS["spans"] = out
+
+
 def _top_kernels(prof, n: int = 12) -> list[tuple[str, float, int]]:
     """The `n` kernels with the most self device time: (name, ms, calls)."""
     rows = []
@@ -903,7 +956,7 @@ def _dry_run_setup() -> None:
     dummy.DUMMY_SHAPES["tiny-llama3"] = shape
     DEV, MODEL, MAX_LEN = torch.device("cpu"), "dummy:tiny-llama3", 1024
     SIZES.update(prefill=((64, 1, 2), (128, 1, 1)), profile=64, decode_batches=(1, 3), decode_ctx=40,
-                 passages=(4, 5), passage_len=64)   # >= min_blend_tokens hit tokens: the dry run blends
+                 passages=(4, 5), passage_len=64, span_passages=(5,))   # >= min_blend_tokens hit tokens: the dry run blends
 
     class FakeEvent:
         def __init__(self, **kw):
@@ -961,7 +1014,8 @@ def main() -> None:
     try:
         if "smol" in sections:
             section_smol()
-        if any(s in sections for s in ("ceil", "prefill", "decode", "decodeprof", "blend", "blendprof", "syncs")):
+        if any(s in sections for s in ("ceil", "prefill", "decode", "decodeprof", "blend", "blendprof", "syncs",
+                                        "spans")):
             ceil = section_ceil()
             llm_none = make_llm("none", 20 if DEV.type == "cuda" else 0.05)
             hf = None
@@ -979,8 +1033,12 @@ def main() -> None:
                 llm_prefix = make_llm("prefix", 6 if DEV.type == "cuda" else 0.2, share_from=llm_none)
                 llm_sx = make_llm("sparsex", 10 if DEV.type == "cuda" else 0.2, share_from=llm_none)
                 section_blend(llm_none, llm_prefix, llm_sx, [("default", None)] + _parse_variants(args.variants))
+            if "spans" in sections:
+                llm_sx = llm_sx if "blend" in sections else make_llm("sparsex", 10 if DEV.type == "cuda" else 0.2,
+                                                                      share_from=llm_none)
+                section_spans(llm_none, llm_sx)
             if "blendprof" in sections or "syncs" in sections:
-                llm_sx = llm_sx if "blend" in sections else make_llm("sparsex", 10 if DEV.type == "cuda" else 0.05,
+                llm_sx = llm_sx if ("blend" in sections or "spans" in sections) else make_llm("sparsex", 10 if DEV.type == "cuda" else 0.05,
                                                                       share_from=llm_none)
                 if "blendprof" in sections:
                     section_blend_profile(llm_sx)

@@ -44,7 +44,7 @@ def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     return _DTYPES[dtype]
 
 
-_NOT_IN_KV_KEY = ("approx_prefix", "merge_encodings", "blend")
+_NOT_IN_KV_KEY = ("approx_prefix", "merge_encodings", "blend", "transparent_segments")
 
 
 def knob(default: Any, help: str, *, advanced: bool = False, choices: Sequence[Any] | None = None,
@@ -128,6 +128,9 @@ class ReuseConfig:
     merge_encodings: int = knob(4, "when a request computes a segment the index already holds exactly (no "
                                    "blend), the entry becomes the mean of up to this many encodings. "
                                    "1 = keep the first", advanced=True, ge=1)
+    transparent_segments: bool = knob(True, "also reuse every run of at least min_segment_tokens tokens found by "
+                                            "content anywhere in the prompt (inside indexed segments or the cached "
+                                            "KV of earlier requests), not only explicit segments found whole")
     blend: bool = knob(True, "off: the request reuses no segment (computed exactly; exact prefix caching still "
                              "applies) but indexes or merges its segments, as an ingestion pass does",
                        advanced=True)
@@ -155,6 +158,8 @@ class ReuseConfig:
             raise ValueError(f"approx_prefix must be a bool, got {self.approx_prefix!r}")
         if not isinstance(self.merge_encodings, int) or isinstance(self.merge_encodings, bool) or self.merge_encodings < 1:
             raise ValueError(f"merge_encodings must be an integer >= 1, got {self.merge_encodings!r}")
+        if not isinstance(self.transparent_segments, bool):
+            raise ValueError(f"transparent_segments must be a bool, got {self.transparent_segments!r}")
         if not isinstance(self.blend, bool):
             raise ValueError(f"blend must be a bool, got {self.blend!r}")
         if self.selector in PROBE_SELECTORS and self.full_layers < 1:

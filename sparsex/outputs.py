@@ -38,11 +38,18 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+TRANSPARENT_SOURCES = ("indexed", "request")     # ReusedSpan sources found by content
+
+
 @dataclass(frozen=True)
 class ReusedSpan:
     """A prompt span whose KV came from the cache instead of a fresh prefill: prompt positions
-    [start, end), and where it came from: "segment" (an entry of the segment index, re-rotated to
-    this position) or "approx_prefix" (blocks an earlier blended request left, continued as they are)."""
+    [start, end), and where it came from, re-rotated to this position unless said otherwise:
+      "segment"        an explicit segment of the prompt (message, `segments` piece) found whole in
+                       the segment index;
+      "indexed"        found by content inside a segment-index entry (transparent segments);
+      "request"        found by content in the exact cached KV of an earlier request (transparent);
+      "approx_prefix"  blocks an earlier blended request left, continuing the exact prefix as they are."""
     start: int
     end: int
     source: str

@@ -60,6 +60,7 @@ class Request:
     approx_block_hashes: list[BlockHash] = field(default_factory=list)   # approximate chain from block exact_prefix_len // block_size
     num_approx_cached_blocks: int = 0         # of approx_block_hashes, how many are registered in the pool
     segments_registered: bool = False
+    prompt_token_array: object | None = None  # [num_prompt_tokens] int32 numpy copy, made by the planner's span search
     query_horizon: int | None = None          # TokenizedPrompt.query_horizon: tokens at/after it are a
                                               # scored continuation, hidden from reuse planning and selection
     # cache statistics of the (last) prefill: num_cached_tokens set at admission, the reuse counters

@@ -289,7 +289,38 @@ def test_segments_endpoint_ingests_per_tenant(server):
     assert hit["segment_reused_tokens"] > 0 and hit["reuse_skipped"] is None
     assert sum(span["end"] - span["start"] for span in hit["reused_spans"]) == hit["segment_reused_tokens"]
     for span in hit["reused_spans"]:
-        assert set(span) == {"start", "end", "source", "prompt_index"} and span["source"] in ("segment", "approx_prefix")
+        assert set(span) == {"start", "end", "source", "prompt_index"}
+        assert span["source"] in ("segment", "indexed", "request", "approx_prefix")
+
+
+def test_stuffed_rag_chat_reuses_passages_with_no_client_change(server):
+    """LangChain's usual RAG prompt through the official client: every retrieved passage joined into
+    ONE system message, the question in the user message, nothing marked. The second conversation
+    retrieves the same passages in another order: they are found by content."""
+    tenant = fresh()
+
+    def ask(order, question):
+        system = INGEST_PREFIX + "\n\n" + "\n\n".join(PASSAGES[i] for i in order)
+        resp = server.client.chat.completions.create(
+            model=server.model, temperature=0, max_tokens=2, extra_headers=tenant,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
+        return resp.usage
+
+    before = server.metrics()
+    first = ask(range(8), "Which river reaches the Atlantic?")
+    assert first.prompt_tokens_details.cached_tokens == 0
+    second = ask([5, 2, 7, 0, 3, 6, 1, 4], "Which lake holds a seal?")
+    sx = second.model_extra["sparsex"]
+    prefix = sx["prefix_cached_tokens"]
+    assert prefix > 0                                   # the shared instructions: an exact prefix hit
+    cached = second.prompt_tokens_details.cached_tokens
+    assert cached == prefix + sx["segment_reused_tokens"]
+    assert sx["transparent_reused_tokens"] == sx["segment_reused_tokens"] >= 256   # found by content
+    assert cached > 2 * prefix
+    assert {span["source"] for span in sx["reused_spans"]} <= {"indexed", "request"}
+    after = server.metrics()
+    grew = after["sparsex:transparent_reused_tokens_total"] - before.get("sparsex:transparent_reused_tokens_total", 0)
+    assert grew >= sx["transparent_reused_tokens"]
 
 
 @pytest.mark.parametrize("body, param", [

@@ -10,6 +10,7 @@ tail, a hit takes it out. Allocation pops the head and drops its hash (lazy evic
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sparsex.cache.block_hash import BlockHash
@@ -46,6 +47,8 @@ class BlockPool:
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}   # hash value -> block
         self.num_evictions = 0
+        # told when a block's hash is dropped (its KV stops serving): the span index forgets it
+        self.on_evict: Callable[[KVCacheBlock], None] | None = None
 
     # ---- allocation -------------------------------------------------------------------------
     @property
@@ -72,6 +75,8 @@ class BlockPool:
                 del self.cached[block.block_hash.value]
             block.block_hash = None
             self.num_evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(block)
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         """Take a reference (a cache hit or a new holder)."""
@@ -108,15 +113,16 @@ class BlockPool:
             return None
         return block
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, parent: KVCacheBlock | None) -> None:
-        """Register a full, exact block under its hash (first writer wins on duplicates)."""
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, parent: KVCacheBlock | None) -> bool:
+        """Register a full block under its hash (first writer wins on duplicates); whether it was."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash.value in self.cached:
-            return
+            return False
         block.block_hash = block_hash
         block.parent = parent.identity if parent is not None else None
         self.cached[block_hash.value] = block
+        return True
 
     def reset_prefix_cache(self, include_in_use: bool = False) -> int:
         """Forget cached block hashes: of unreferenced blocks, or of every block (their KV stays put,

@@ -33,6 +33,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         # asked to release pinned blocks (segment entries) when the free queue runs dry: (n) -> released
         self.reclaim: Callable[[int], int] | None = None
+        # told of every run of blocks a request registers on the exact chain: (req, first block index,
+        # blocks); the span index makes them findable inside later prompts
+        self.on_exact_blocks: Callable[[Request, int, list[KVCacheBlock]], None] | None = None
         # counters (tokens), kept by the scheduler on admission
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -125,9 +128,21 @@ class KVCacheManager:
         if n <= req.num_exact_cached_blocks:        # incremental: a decode step completes <= 1 block
             return
         self.hash_blocks(req, n)
+        run_start = None               # runs of blocks this request registered (not already cached)
         for i in range(req.num_exact_cached_blocks, n):
-            self.pool.cache_block(req.blocks[i], req.block_hashes[i], req.blocks[i - 1] if i > 0 else None)
+            new = self.pool.cache_block(req.blocks[i], req.block_hashes[i], req.blocks[i - 1] if i > 0 else None)
+            if new and run_start is None:
+                run_start = i
+            elif not new and run_start is not None:
+                self._report_run(req, run_start, i)
+                run_start = None
+        if run_start is not None:
+            self._report_run(req, run_start, n)
         req.num_exact_cached_blocks = n
+
+    def _report_run(self, req: Request, start: int, end: int) -> None:
+        if self.on_exact_blocks is not None:
+            self.on_exact_blocks(req, start, req.blocks[start:end])
 
     def _hash_approx(self, req: Request, n_full: int) -> None:
         """Extend `req.approx_block_hashes`: the chain from block exact_prefix_len // block_size on."""

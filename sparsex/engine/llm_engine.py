@@ -22,12 +22,13 @@ from sparsex.engine.scheduler import Scheduler, ScheduledRequest
 from sparsex.engine.warmup import PARAMS as WARMUP_PARAMS, warmup_waves
 from sparsex.inputs import TokenizedPrompt, chat_prompt, parse_prompt
 from sparsex.models.loader import load_model
-from sparsex.outputs import CompletionOutput, RequestOutput, ReusedSpan
+from sparsex.outputs import TRANSPARENT_SOURCES, CompletionOutput, RequestOutput
 from sparsex.request import Request, RequestStatus
 from sparsex.sampling_params import SamplingParams
 from sparsex.segment.reuse_planner import ReusePlanner
 from sparsex.segment.segment_index import SegmentIndex
 from sparsex.segment.segment_registrar import SegmentRegistrar
+from sparsex.segment.span_index import SpanIndex
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,10 @@ class EngineStats:
                                      # (on the GPU: launch time, the kernels run asynchronously)
     num_preemptions: int = 0
     num_segment_entries: int = 0
+    segment_reused_tokens: int = 0       # reused tokens found as explicit segments
+    transparent_reused_tokens: int = 0   # reused tokens found by content (inside index entries or earlier requests' KV)
+    span_search_seconds: float = 0.0     # host seconds finding spans by content (on the TTFT path)
+    num_span_anchors: int = 0
 
 
 class LLMEngine:
@@ -90,12 +95,19 @@ class LLMEngine:
         self.segment_index = None
         self.planner = None              # segment/reuse_planner.ReusePlanner: admission
         self.registrar = None            # segment/segment_registrar.SegmentRegistrar: after the step
+        self.span_index = None           # segment/span_index.SpanIndex: spans found by content
         if config.enable_segment_reuse:
-            self.segment_index = SegmentIndex(self.kv.pool, config.block_size, policy=config.segment_eviction)
+            self.span_index = SpanIndex(config.block_size)
+            self.kv.pool.on_evict = self.span_index.on_evict
+            self.kv.on_exact_blocks = lambda req, first, blocks: self.span_index.add_request_run(
+                req.all_token_ids, req.cache_salt, first, blocks)
+            self.segment_index = SegmentIndex(self.kv.pool, config.block_size, policy=config.segment_eviction,
+                                              spans=self.span_index)
             self.kv.reclaim = self.segment_index.evict_blocks
-            self.planner = ReusePlanner(self.segment_index)
+            self.planner = ReusePlanner(self.segment_index, self.span_index)
             self.registrar = SegmentRegistrar(self.segment_index, config.block_size, self.runner)
         self.num_recomputed_tokens = 0   # over every blended request (EngineStats.recomputed_tokens)
+        self.reused_tokens_by_source: dict[str, int] = {}   # ReusedSpan.source -> tokens, every request
         self.scheduler = Scheduler(config, self.kv, self.planner)
         self.requests: dict[str, Request] = {}
         self.parents: dict[str, list[str]] = {}          # n > 1: parent id -> child ids
@@ -249,19 +261,15 @@ class LLMEngine:
             self.kv.cache_approx_blocks(req)
 
     def _set_reuse_counters(self, req: Request, s: ScheduledRequest, res: RequestStepResult) -> None:
-        """A request's reuse counters and spans, once, from its first step since admission: the
-        approximate-chain prefix the scheduler continued, then the segment hits of its plan, and
-        what its forward's selection kept of them."""
-        spans = []
-        if s.num_approx_tokens:
-            spans.append(ReusedSpan(req.num_cached_tokens, req.num_cached_tokens + s.num_approx_tokens, "approx_prefix"))
-        if s.reuse_plan is not None:
-            spans.extend(ReusedSpan(span.start, span.end, "segment") for span, _ in s.reuse_plan.hits)
+        """A request's reuse counters, once, from its first step since admission: its reused spans
+        (set by the scheduler at admission: the approximate-chain prefix it continued, then the spans
+        of its plan), and what its forward's selection kept of them."""
         blend = res.blend
         if blend is not None:
             self.num_recomputed_tokens += blend.num_recomputed_tokens
-        req.reused_spans = spans
-        req.num_reused_tokens = sum(span.num_tokens for span in spans)
+        for span in req.reused_spans:
+            self.reused_tokens_by_source[span.source] = self.reused_tokens_by_source.get(span.source, 0) + span.num_tokens
+        req.num_reused_tokens = sum(span.num_tokens for span in req.reused_spans)
         req.num_recomputed_tokens = blend.num_recomputed_tokens if blend is not None else 0
         req.num_candidate_tokens = blend.num_candidate_tokens if blend is not None else 0
 
@@ -357,6 +365,11 @@ class LLMEngine:
             st.recomputed_tokens = self.num_recomputed_tokens
             st.selection_seconds = self.runner.timings.selection_s
             st.num_segment_entries = len(self.segment_index)
+            by = self.reused_tokens_by_source
+            st.segment_reused_tokens = by.get("segment", 0)
+            st.transparent_reused_tokens = sum(by.get(s, 0) for s in TRANSPARENT_SOURCES)
+            st.span_search_seconds = self.span_index.search_seconds
+            st.num_span_anchors = self.span_index.num_anchors()
         return st
 
     def check_integrity(self) -> None:

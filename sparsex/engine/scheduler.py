@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from sparsex.cache.kv_cache_manager import KVCacheManager
 from sparsex.config import EngineConfig
+from sparsex.outputs import ReusedSpan
 from sparsex.request import Request, RequestStatus
 from sparsex.segment.reuse_planner import ReusePlan, ReusePlanner
 
@@ -139,6 +140,8 @@ class Scheduler:
                 # KV from here on is approximate (continued along the approximate chain, or blended in
                 # this step); known before the forward, so its block hashes can be made during it
                 req.exact_prefix_len = num_hit if num_approx else plan.first_reused_position
+            req.reused_spans = ([ReusedSpan(num_hit, num_hit + num_approx, "approx_prefix")] if num_approx else []) + (
+                [ReusedSpan(h.start, h.end, h.source) for h in plan.hits] if plan is not None else [])
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, plan, admitted=True, num_approx_tokens=num_approx))

@@ -205,14 +205,17 @@ class PromptTokensDetails(_Response):
 class ReusedSpanInfo(_Response):
     start: int                          # prompt positions [start, end)
     end: int
-    source: str = Field(description="'segment' (a segment-index entry, re-rotated) or 'approx_prefix' "
-                                    "(blocks an earlier blended request left)")
+    source: str = Field(description="'segment' (an explicit segment found whole in the segment index), "
+                                    "'indexed' (found by content inside a segment-index entry), 'request' "
+                                    "(found by content in the cached KV of an earlier request), or "
+                                    "'approx_prefix' (blocks an earlier blended request left)")
     prompt_index: int = Field(default=0, description="which prompt of a batched completions request")
 
 
 class SparseXUsage(_Response):
     prefix_cached_tokens: int = 0       # exact prefix-cache hits
     segment_reused_tokens: int = 0      # served from the segment cache (approximate KV, then blended)
+    transparent_reused_tokens: int = 0  # of those, found by content (sources 'indexed' and 'request')
     recomputed_tokens: int = 0          # reused tokens the sparse layers recomputed
     reused_spans: list[ReusedSpanInfo] = Field(default_factory=list,
                                                description="where segment_reused_tokens sit in the prompt")

@@ -22,7 +22,7 @@ from sparsex.entrypoints.logprobs import TokenText
 from sparsex.entrypoints.protocol import PromptTokensDetails, ReusedSpanInfo, SparseXUsage, Usage
 from sparsex.entrypoints.settings import ServerSettings
 from sparsex.entrypoints.tenancy import CacheNamespace, resolve_namespace
-from sparsex.outputs import RequestOutput
+from sparsex.outputs import TRANSPARENT_SOURCES, RequestOutput
 from sparsex.sampling_params import SamplingParams
 
 SCOPE_HEADER = "X-SparseX-Cache-Scope"
@@ -89,6 +89,8 @@ def usage_of(outputs: list[RequestOutput]) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=prefix + reused),
                  sparsex=SparseXUsage(prefix_cached_tokens=prefix, segment_reused_tokens=reused,
+                                      transparent_reused_tokens=sum(s.num_tokens for o in outputs for s in o.reused_spans
+                                                                    if s.source in TRANSPARENT_SOURCES),
                                       recomputed_tokens=sum(o.num_recomputed_tokens for o in outputs),
                                       reused_spans=[ReusedSpanInfo(start=s.start, end=s.end, source=s.source,
                                                                    prompt_index=i)

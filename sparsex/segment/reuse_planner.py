@@ -1,62 +1,91 @@
-"""Admission-time planning of a blended prefill: which of a request's segments the segment index
-serves, locked until the forward that copies them has run.
+"""Admission-time planning of a blended prefill: which spans of a request's prompt reuse KV the
+engine holds, held until the forward that copies them has run.
 
-For a request whose prompt is P (exact prefix hit) + reused segments R1..Rm + new tokens N, the
+For a request whose prompt is P (exact prefix hit) + reused spans R1..Rm + new tokens N, the
 scheduler asks `ReusePlanner.plan` for R1..Rm once it knows P, confirms with `admitted` when the
 request got its blocks, and `release`s a plan that will not run (preemption, allocation failure,
 abort) or has run (the engine, after the step). The forward side is `step_blend.py`; what the engine
-does with the request's segments after the step is `segment_registrar.py`.
+does with the request's prompt after the step is `segment_registrar.py`.
+
+Spans are found two ways, in this order:
+  segment      an explicit segment of the prompt (a message, a `segments` piece) found whole in the
+               segment index (`SegmentIndex.lookup`);
+  transparent  every other maximal run of at least `min_segment_tokens` tokens equal to tokens whose
+               KV the engine holds, found by content (`span_index.SpanIndex.find`): inside an index
+               entry ("indexed") or in the exact prefix-cached KV of an earlier request ("request").
+               `ReuseConfig.transparent_segments` turns it off.
 
 A request whose hits total fewer than `min_blend_tokens` does not blend at all (its hits are
-recomputed and it is served exact), and an entry computed right after a short head
-(`min_context_tokens`) serves only early positions; either is reported on the request
-(`RequestOutput.reuse_skipped`).
+recomputed and it is served exact), and KV computed right after a short head (`min_context_tokens`)
+serves only early positions; either is reported on the request (`RequestOutput.reuse_skipped`).
+Hit entries are locked (not evicted or replaced) and the blocks of request-KV hits pinned (not
+reallocated) until the plan is released.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
+from sparsex.cache.block_pool import KVCacheBlock
 from sparsex.config import ReuseConfig
-from sparsex.inputs import SegmentSpan
 from sparsex.request import Request
 from sparsex.segment.segment_index import SegmentEntry, SegmentIndex
+from sparsex.segment.span_index import SpanIndex
+
+
+@dataclass(frozen=True)
+class SpanHit:
+    """One reused span: prompt positions [start, end) take the KV computed at positions
+    [start_pos, start_pos + end - start), held by `blocks` (blocks[0] holds start_pos's block)."""
+    start: int
+    end: int
+    start_pos: int
+    blocks: tuple[KVCacheBlock, ...]
+    source: str                       # "segment" | "indexed" | "request" (ReusedSpan.source)
+    entry: SegmentEntry | None        # the index entry it came from ("segment", "indexed")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
 
 
 @dataclass(frozen=True)
 class ReusePlan:
-    """The segment hits one request blends in its (single) prefill step, locked in the index."""
+    """The spans one request blends in its (single) prefill step, sorted by start."""
     reuse: ReuseConfig
-    hits: tuple[tuple[SegmentSpan, SegmentEntry], ...]
+    hits: tuple[SpanHit, ...]
 
     @property
     def num_reused_tokens(self) -> int:
-        return sum(span.end - span.start for span, _ in self.hits)
+        return sum(h.num_tokens for h in self.hits)
 
     @property
     def first_reused_position(self) -> int:
-        return min(span.start for span, _ in self.hits)
+        return self.hits[0].start
 
 
 @dataclass(frozen=True)
 class _Pending:
     """What a planned, not yet admitted request looked up: counted once, at admission."""
-    queried: int                        # tokens of the segments looked up
-    entries: tuple[SegmentEntry, ...]   # the entries it blends
-    skipped: str | None                 # why found entries are not (all) reused
+    queried: int                                   # tokens looked up (segments, or the searched range)
+    entries: tuple[tuple[SegmentEntry, int], ...]  # the entries it blends, with the tokens each serves
+    skipped: str | None                            # why found spans are not (all) reused
 
 
 class ReusePlanner:
-    def __init__(self, index: SegmentIndex):
+    def __init__(self, index: SegmentIndex, spans: SpanIndex | None = None):
         self.index = index
+        self.spans = spans
         self._pending: dict[str, _Pending] = {}
 
     def plan(self, req: Request, num_prefix_hit: int) -> ReusePlan | None:
-        """The hits `req` blends after its first `num_prefix_hit` (cached) tokens, locked; None:
+        """The spans `req` blends after its first `num_prefix_hit` (cached) tokens, held; None:
         the request is computed exactly."""
         reuse = req.reuse
-        hits = []
+        hits: list[SpanHit] = []
         found_unblended = False   # blend=False: an entry exists that this request will not reuse
-        early = []            # entries found, but computed too early for their position here
+        early = []            # segments found, but computed too early for their position here
         queried = 0
         toks = req.prompt_token_ids
         # evaluation (teacher forcing): the prompt proper ends at the query horizon, so a teacher-
@@ -75,14 +104,25 @@ class ReusePlanner:
             # counted in `admitted`: a request that waits is planned again next step
             entry = self.index.lookup(toks[span.start:span.end], req.cache_salt, count=False)
             if entry is not None and too_early_for(entry, span.start, reuse):
-                early.append(span)
+                early.append((span.start, span.end))
                 entry = None      # recomputed here; the registrar then replaces the early encoding
             if entry is not None:
-                hits.append((span, entry))
+                hits.append(SpanHit(span.start, span.end, entry.start_pos, tuple(entry.blocks), "segment", entry))
         if not reuse.blend:
             skipped = "blend=False: computed exactly" if found_unblended else None
             self._pending[req.request_id] = _Pending(0, (), skipped)
             return None
+        if reuse.transparent_segments and self.spans is not None and end - 1 > num_prefix_hit:
+            if req.prompt_token_array is None:
+                req.prompt_token_array = np.asarray(toks, dtype=np.int32)
+            taken = [(h.start, h.end) for h in hits] + early
+            for m in self.spans.find(req.prompt_token_array, num_prefix_hit, end - 1, req.cache_salt,
+                                     reuse.min_segment_tokens, taken, reuse.min_context_tokens):
+                pos, blocks = m.source.blocks_for(m.offset, m.num_tokens)
+                entry = m.source.entry
+                hits.append(SpanHit(m.start, m.end, pos, blocks, "indexed" if entry is not None else "request", entry))
+            queried = end - 1 - num_prefix_hit
+            hits.sort(key=lambda h: h.start)
         reasons = []
         if early:
             reasons.append(f"{len(early)} segment{'s' if len(early) > 1 else ''} computed right after a short head "
@@ -95,17 +135,24 @@ class ReusePlanner:
         if not blends:
             self._pending[req.request_id] = _Pending(queried, (), skipped)   # too little to blend: exact
             return None
-        for _, entry in hits:
-            self.index.lock(entry)
-        self._pending[req.request_id] = _Pending(queried, tuple(e for _, e in hits), skipped)
+        for h in hits:
+            if h.entry is not None:
+                self.index.lock(h.entry)
+            else:
+                self.index.pool.touch(list(h.blocks))
+        self._pending[req.request_id] = _Pending(
+            queried, tuple((h.entry, h.num_tokens) for h in hits if h.entry is not None), skipped)
         req.reuse_plan = plan
         return plan
 
     def admitted(self, req: Request) -> None:
         """The scheduler admitted the request with its plan: count the lookups once, and say why
-        found segments are not reused (`Request.reuse_skipped`)."""
+        found spans are not reused (`Request.reuse_skipped`)."""
         pending = self._pending.pop(req.request_id, _Pending(0, (), None))
         self.index.record_lookups(pending.queried, list(pending.entries))
+        plan = req.reuse_plan
+        if plan is not None:      # request-KV hits are served by no entry: counted as hit tokens too
+            self.index.hit_tokens += sum(h.num_tokens for h in plan.hits if h.entry is None)
         req.reuse_skipped = pending.skipped
 
     def release(self, req: Request) -> None:
@@ -113,8 +160,11 @@ class ReusePlanner:
         self._pending.pop(req.request_id, None)
         plan = req.reuse_plan
         if plan is not None:
-            for _, entry in plan.hits:
-                self.index.unlock(entry)
+            for h in plan.hits:
+                if h.entry is not None:
+                    self.index.unlock(h.entry)
+                else:
+                    self.index.pool.free_blocks(list(reversed(h.blocks)))
             req.reuse_plan = None
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from sparsex.cache.block_hash import hash_segment, token_bytes
 from sparsex.cache.block_pool import BlockPool, KVCacheBlock
+from sparsex.segment.span_index import SpanIndex
 
 
 @dataclass(eq=False)
@@ -37,16 +38,19 @@ class SegmentEntry:
     priority: float = 0.0
     locks: int = 0                  # requests about to copy from it (not evictable meanwhile)
     num_encodings: int = 1          # its KV is the mean of this many encodings (merged encodings)
+    explicit: bool = True           # a segment of a prompt (message, ingested passage); False: a stretch a
+                                    # blended request computed in full, indexed for transparent reuse
 
     def __len__(self) -> int:
         return len(self.tokens) // 4
 
 
 class SegmentIndex:
-    def __init__(self, pool: BlockPool, block_size: int, policy: str = "lru"):
+    def __init__(self, pool: BlockPool, block_size: int, policy: str = "lru", spans: SpanIndex | None = None):
         if policy not in ("lru", "frequency"):
             raise ValueError(f"unknown segment eviction policy {policy!r}")
         self.pool = pool
+        self.spans = spans              # the span index: every entry is a source of transparent reuse
         self.block_size = block_size
         self.policy = policy
         self.entries: dict[bytes, SegmentEntry] = {}
@@ -69,14 +73,15 @@ class SegmentIndex:
         if entry is None or entry.cache_salt != cache_salt or entry.tokens != tb:
             entry = None
         if count:
-            self.record_lookups(len(token_ids), [entry] if entry is not None else [])
+            self.record_lookups(len(token_ids), [(entry, len(entry))] if entry is not None else [])
         return entry
 
-    def record_lookups(self, query_tokens: int, hits: list[SegmentEntry]) -> None:
-        """Count a request's lookups (tokens queried, entries hit) and refresh the hit entries."""
+    def record_lookups(self, query_tokens: int, hits: list[tuple[SegmentEntry, int]]) -> None:
+        """Count a request's lookups (tokens queried; entries hit, with the tokens each served) and
+        refresh the hit entries."""
         self.query_tokens += query_tokens
-        for entry in hits:
-            self.hit_tokens += len(entry)
+        for entry, num_tokens in hits:
+            self.hit_tokens += num_tokens
             entry.hits += 1
             entry.last_access = next(self._clock)
             entry.priority = self._gdsf_floor + self._value(entry)
@@ -84,7 +89,8 @@ class SegmentIndex:
     def _value(self, entry: SegmentEntry) -> float:
         return (1 + entry.hits) * len(entry) / max(1, len(entry.blocks) * self.block_size)
 
-    def insert(self, token_ids: list[int], cache_salt: str | None, blocks: list[KVCacheBlock], start_pos: int) -> SegmentEntry | None:
+    def insert(self, token_ids: list[int], cache_salt: str | None, blocks: list[KVCacheBlock], start_pos: int,
+               explicit: bool = True) -> SegmentEntry | None:
         """Pin `blocks` (those covering [start_pos, start_pos+len)) as a new entry; None if already present."""
         tb = token_bytes(token_ids)
         key = hash_segment(tb, cache_salt)
@@ -97,10 +103,12 @@ class SegmentIndex:
             raise ValueError(f"segment at {start_pos}+{len(token_ids)} needs blocks {first}..{last}, got {len(blocks)}")
         self.pool.touch(pinned)
         entry = SegmentEntry(key, tb, cache_salt, pinned, start_pos, self.block_size,
-                             last_access=next(self._clock))
+                             last_access=next(self._clock), explicit=explicit)
         entry.priority = self._gdsf_floor + self._value(entry)
         self.entries[key] = entry
         self.num_inserted += 1
+        if self.spans is not None:
+            self.spans.add_entry(entry)
         return entry
 
     def remove(self, entry: SegmentEntry) -> None:
@@ -149,6 +157,8 @@ class SegmentIndex:
 
     def _remove(self, entry: SegmentEntry) -> int:
         del self.entries[entry.key]
+        if self.spans is not None:
+            self.spans.remove_entry(entry)
         before = self.pool.num_free_blocks
         self.pool.free_blocks(list(reversed(entry.blocks)))
         return self.pool.num_free_blocks - before
@@ -183,6 +193,8 @@ class SegmentIndex:
         return refs
 
     def check_integrity(self) -> None:
+        if self.spans is not None:
+            self.spans.check_integrity(self.entries.values(), self.pool)
         for key, e in self.entries.items():
             if key != e.key or hash_segment(e.tokens, e.cache_salt) != key:
                 raise RuntimeError("segment entry stored under a key that is not its hash")

@@ -1,6 +1,13 @@
 """After a step: what the engine does with a request's prompt segments once its prompt is computed.
 
   new segments        indexed, pinning the request's blocks that hold them (their KV is there already);
+                      in a request that reused KV (blended, or continued an approximate prefix), only
+                      segments it computed in full, never rows that were reused;
+  fresh stretches     (`transparent_segments`) the rest of what such a request computed in full (runs
+                      of at least `min_segment_tokens` outside its reused spans and explicit segments)
+                      is indexed too, so a later prompt finds it by content: an exact request needs
+                      none, its blocks are already on the exact prefix chain, which the span index
+                      reads;
   early encodings     an entry computed right after a short head (`min_context_tokens`) that this
                       request recomputed later in its prompt is replaced by this encoding;
   merged encodings    a segment the index holds that this request computed exactly in another
@@ -37,9 +44,16 @@ class SegmentRegistrar:
         reuse = req.reuse
         toks = req.prompt_token_ids
         exact = req.exact_prefix_len is None          # nothing of it was blended
+        end = req.num_prompt_tokens if req.query_horizon is None else min(req.query_horizon, req.num_prompt_tokens)
+        reused = [(s.start, s.end) for s in req.reused_spans]
+        fresh = None if exact else fresh_intervals(0, end, reused)     # KV this request computed in full
+        handled = []          # segments indexed (or found) whole
         for span in req.segments:
             if span.end - span.start < reuse.min_segment_tokens or span.end > req.num_computed_tokens:
                 continue
+            if fresh is not None and not any(a <= span.start and span.end <= b for a, b in fresh):
+                continue          # holds reused (approximate) rows: only its fresh part may be indexed
+            handled.append((span.start, span.end))
             seg = toks[span.start:span.end]
             entry = self.index.lookup(seg, req.cache_salt, count=False)
             if entry is None:
@@ -52,6 +66,12 @@ class SegmentRegistrar:
             elif (exact and span.start >= req.num_cached_tokens and entry.num_encodings < reuse.merge_encodings
                   and early(entry.start_pos, reuse) == early(span.start, reuse)):
                 self._merge(entry, req, span)
+        if fresh is not None and reuse.transparent_segments and reuse.blend:
+            # before exact_prefix_len the blocks are on the exact prefix chain: the span index has them
+            for a, b in fresh_intervals(req.exact_prefix_len, end, reused):
+                for start, stop in fresh_intervals(a, b, handled):
+                    if stop - start >= reuse.min_segment_tokens:
+                        self.index.insert(toks[start:stop], req.cache_salt, req.blocks, start, explicit=False)
 
     def _merge(self, entry: SegmentEntry, req: Request, span: SegmentSpan) -> None:
         """Merged encodings: the entry's KV becomes the running mean of its encodings and this one
@@ -82,3 +102,17 @@ class SegmentRegistrar:
         elif not self.index.copy_on_write(entry, lambda old, new: fold(new)):
             return
         entry.num_encodings += 1
+
+
+def fresh_intervals(start: int, end: int, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[start, end) minus the `taken` intervals, as sorted disjoint intervals."""
+    out, at = [], start
+    for a, b in sorted(taken):
+        if b <= at or a >= end:
+            continue
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if at < end:
+        out.append((at, end))
+    return out

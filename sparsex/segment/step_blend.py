@@ -172,13 +172,13 @@ class StepBlend:
             table = np.fromiter((b.block_id for b in req.blocks), dtype=np.int64, count=len(req.blocks))
             # every reused row of every hit at once (vectorised over hits: 64 passages at 32k tokens
             # made a per-hit loop of small numpy calls a few ms of host time)
-            starts = np.array([span.start for span, _ in plan.hits], dtype=np.int64)       # new positions
-            lens = np.array([span.end - span.start for span, _ in plan.hits], dtype=np.int64)
-            old = np.array([entry.start_pos for _, entry in plan.hits], dtype=np.int64)   # computed at
+            starts = np.array([h.start for h in plan.hits], dtype=np.int64)       # new positions
+            lens = np.array([h.num_tokens for h in plan.hits], dtype=np.int64)
+            old = np.array([h.start_pos for h in plan.hits], dtype=np.int64)      # computed at
             seg = np.repeat(np.arange(len(lens)), lens)                                  # [R] hit of each row
             offs = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)   # [R] offset in its hit
             rp, ep = starts[seg] + offs, old[seg] + offs
-            entry_blocks = [entry.blocks for _, entry in plan.hits]
+            entry_blocks = [h.blocks for h in plan.hits]            # blocks[0] holds block start_pos // bs
             eb = np.fromiter((b.block_id for blocks in entry_blocks for b in blocks), dtype=np.int64,
                              count=sum(map(len, entry_blocks)))
             eb0 = np.cumsum([len(x) for x in entry_blocks]) - np.array([len(x) for x in entry_blocks])
