@@ -6,6 +6,7 @@
     sparsex bench prefill [--lengths 512,1024,...] [--repeats N] [--plot PATH]
     sparsex bench serve --base-url URL ...
     sparsex bench workload --workload rag|chat|agent [--policies ...] [--sweep | --stream] [--peer vllm] --out DIR
+    sparsex bench edit [--kinds chat,agent] [--caches prefix,sparsex] [--cases N] --out DIR
     sparsex serve [MODEL] [every engine flag] [server flags]
 
 Engine flags (`--cache`, `--dtype`, `--recompute-ratio`, ...) come from EngineConfig / ReuseConfig
@@ -19,6 +20,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from sparsex.bench.edit_replay import add_edit_replay_parser
 from sparsex.bench.serve_bench import add_serve_bench_parser
 from sparsex.bench.workload_bench import add_workload_bench_parser
 from sparsex.config import CACHE_MODES, DTYPES, EngineConfig
@@ -133,6 +135,7 @@ def _add_bench(sub, common: argparse.ArgumentParser) -> None:
 
     add_serve_bench_parser(bsub)
     add_workload_bench_parser(bsub)
+    add_edit_replay_parser(bsub)
 
 
 def build_parser() -> argparse.ArgumentParser:

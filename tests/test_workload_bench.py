@@ -60,11 +60,11 @@ def engines():
 
 
 def _run(tmp_path: Path, engines, workload: str, policies: str = POLICIES, plot_dir: str | None = None,
-         **params) -> tuple[list[PolicySummary], list[dict], dict]:
+         prompt_form: str = "explicit", **params) -> tuple[list[PolicySummary], list[dict], dict]:
     """One run without prewarm (the replay's own cache warm-up); its summaries, the records of
     requests.json and summary.json, after checking that the files agree with the returned summaries."""
     cfg = WorkloadBenchConfig(workload=workload, policies=policies, params=WorkloadParams(**params),
-                              prewarm=False, out=str(tmp_path / workload), plot_dir=plot_dir, **TINY)
+                              prewarm=False, prompt_form=prompt_form, out=str(tmp_path / workload), plot_dir=plot_dir, **TINY)
     summaries = run_workload_bench(cfg, engines)
     out = tmp_path / workload
     records = json.loads((out / "requests.json").read_text())["requests"]
@@ -194,6 +194,22 @@ def test_rag_end_to_end(tmp_path, engines) -> None:
         xs, ys = cdf[p.name]
         assert xs == pytest.approx(sorted(1000 * r["ttft_s"] for r in records if r["policy"] == p.name))
         assert ys == pytest.approx([(j + 1) / len(xs) for j in range(len(xs))]) and ys[-1] == 1.0
+
+
+@needs_smollm2
+@pytest.mark.parametrize("form", ["stuffed", "llamaindex"])
+def test_rag_one_message_forms_serve_recurring_passages(tmp_path, engines, form) -> None:
+    # the queries share passages, sent joined into one message: only transparent reuse can find them
+    summaries, records, _ = _run(tmp_path, engines, "rag", "none,prefix,sparsex", prompt_form=form, queries=3, k=2,
+                                 num_passages=3, passage_tokens=(60, 120))
+    _check_policy_counters(records)
+    by = {s.policy: s for s in summaries}
+    assert by["none"].recurring_tokens > 0 and by["none"].recurring_served_share == 0.0
+    # prefix caching serves at most the recurring tokens that happen to continue the exact prefix
+    assert by["prefix"].recurring_served_share < 0.5
+    assert by["sparsex"].recurring_served_share >= 0.9
+    spans = [r for r in records if r["policy"] == "sparsex" and r["recurring_tokens"] > 0]
+    assert all(r["recurring_served"] <= r["recurring_tokens"] for r in spans)
 
 
 @needs_smollm2
@@ -456,6 +472,7 @@ def _cli(*args: str, env_extra: dict[str, str] | None = None,
     (("--device", "tpu"), "device must be"),
     (("--stream", "--device", "cuda"), "--stream runs on the CPU only"),
     (("--workload", "chat", "--prewarm"), "prewarm ingests the rag corpus"),
+    (("--workload", "chat", "--prompt-form", "stuffed"), "prompt form 'stuffed' applies to"),
 ])
 def test_bad_arguments_exit_2(args, needle, tmp_path) -> None:
     proc = _cli(*args, "--out", str(tmp_path))

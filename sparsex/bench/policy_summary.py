@@ -59,6 +59,12 @@ class PolicySummary:
     # (its top two tokens within NEAR_TIE of each other in probability)
     top1_misses: int | None = None
     near_tie_misses: int | None = None
+    # token-weighted: recurring tokens (units an earlier request or the ingestion held) served from
+    # cache, with a 95% bootstrap interval over the requests that have any; None when none recur
+    recurring_tokens: int = 0
+    recurring_served_share: float | None = None
+    recurring_served_low: float | None = None
+    recurring_served_high: float | None = None
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -96,8 +102,21 @@ def summarize(workload: str, policy: Policy, recs: list[RequestRecord], flops: F
         match_len=mean([r.match_len for r in fr]), f1=mean([r.f1 for r in scored]),
         em=mean([r.em for r in scored]),
         twin_mismatches=sum(1 for r in recs if r.twin_match is False),
-        **_fidelity_intervals(fr), **_top1_misses(fr),
+        **_fidelity_intervals(fr), **_top1_misses(fr), **_recurring(recs),
     )
+
+
+def _recurring(recs: list[RequestRecord]) -> dict:
+    rr = [r for r in recs if r.recurring_tokens > 0]
+    if not rr:
+        return {}
+    total = sum(r.recurring_tokens for r in rr)
+    out = dict(recurring_tokens=total, recurring_served_share=sum(r.recurring_served for r in rr) / total)
+    if len(rr) >= 2:
+        iv = stats.bootstrap_mean([r.recurring_served / r.recurring_tokens for r in rr],
+                                  weights=[r.recurring_tokens for r in rr])
+        out.update(recurring_served_low=iv.low, recurring_served_high=iv.high)
+    return out
 
 
 NEAR_TIE = 0.1      # a reference margin p(top-1) - p(second) below this makes a top-1 miss a near-tie

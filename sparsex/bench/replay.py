@@ -48,6 +48,8 @@ class RequestRecord:
     miss_margins: list[float] | None = None  # at each top-1 disagreement, full prefill's p(top-1) - p(second)
     position_kl: list[float] | None = None   # KL at each teacher-forced position (any shorter horizon's metrics)
     miss_positions: list[int] | None = None  # teacher-forced positions where top-1 disagreed
+    recurring_tokens: int = 0      # tokens of units (passages, results) an earlier request or the ingestion held
+    recurring_served: int = 0      # ... of them served from cache (exact prefix or a reused span)
 
 
 @dataclass
@@ -105,7 +107,7 @@ def _score(rec: RequestRecord, answer: str, request: Request) -> None:
 
 def replay_reference(cfg: WorkloadBenchConfig, engine: LLMEngine, requests: list[Request],
                      prompts: list[TokenizedPrompt], fid: list[bool], flops: FlopModel,
-                     keep: bool) -> tuple[list[Reference], list[RequestRecord]]:
+                     keep: bool, recurring: list[Any] | None = None) -> tuple[list[Reference], list[RequestRecord]]:
     """The `none` policy: every request under full prefill, which is also the fidelity reference."""
     refs, records = [], []
     L = flops.num_layers
@@ -120,6 +122,8 @@ def replay_reference(cfg: WorkloadBenchConfig, engine: LLMEngine, requests: list
         tl, fl = flops.prefill(n, 0, [], 0, L)
         rec = RequestRecord(cfg.workload, "none", i, req.request_id, n, 0, 0, 0, n, tl, fl / 1e9, ref.ttft_s, 0.0,
                             0, 0, fid[i])
+        if recurring is not None:
+            rec.recurring_tokens = int(recurring[i].sum())        # nothing served: full prefill
         if fid[i]:    # the reference itself: exact by definition
             rec.top1, rec.kl, rec.match_len, rec.miss_margins = 1.0, 0.0, len(ref.cont), []
             rec.position_kl, rec.miss_positions = [0.0] * len(ref.cont), []
@@ -132,8 +136,11 @@ def replay_reference(cfg: WorkloadBenchConfig, engine: LLMEngine, requests: list
 
 def replay_policy(cfg: WorkloadBenchConfig, policy: Policy, timed: LLMEngine,
                   twin: LLMEngine | None, requests: list[Request], prompts: list[TokenizedPrompt],
-                  refs: list[Reference] | None, fid: list[bool], flops: FlopModel) -> list[RequestRecord]:
+                  refs: list[Reference] | None, fid: list[bool], flops: FlopModel,
+                  recurring: list[Any] | None = None) -> list[RequestRecord]:
+    """`recurring`: per request, its recurring tokens (bool mask, `TokenizedWorkload.recurring`)."""
     from sparsex.bench.fidelity import run_to_completion, teacher_forced
+    from sparsex.bench.prompt_forms import served_mask
     from sparsex.sampling_params import SamplingParams
 
     reuse = policy.overrides
@@ -153,7 +160,7 @@ def replay_policy(cfg: WorkloadBenchConfig, policy: Policy, timed: LLMEngine,
         cached, reused, rec_n = out.num_cached_tokens, out.num_reused_tokens, out.num_recomputed_tokens
         # where the reused tokens sit sets their attention cost; the approximate chain's share is
         # costed like cached tokens
-        spans = [(s.start, s.end) for s in out.reused_spans if s.source == "segment"]
+        spans = [(s.start, s.end) for s in out.reused_spans if s.source != "approx_prefix"]
         approx = sum(s.num_tokens for s in out.reused_spans if s.source == "approx_prefix")
         if sum(e - s for s, e in spans) + approx != reused:
             raise RuntimeError(f"{policy.name}/{req.request_id}: recorded spans cover "
@@ -164,6 +171,10 @@ def replay_policy(cfg: WorkloadBenchConfig, policy: Policy, timed: LLMEngine,
             tl, fl / 1e9, out.metrics.ttft or 0.0, 1000 * (st1.selection_seconds - st0.selection_seconds),
             st1.segment_cache_queries - st0.segment_cache_queries, st1.segment_cache_hits - st0.segment_cache_hits,
             fid[i], approx_prefix_tokens=approx)
+        if recurring is not None:
+            mask = recurring[i]
+            served = served_mask(n, cached, [(s.start, s.end) for s in out.reused_spans])
+            rec.recurring_tokens, rec.recurring_served = int(mask.sum()), int((mask & served).sum())
         if rag:
             _score(rec, _decode(timed, list(out.outputs[0].token_ids)), req)
         # twin run: the same request teacher forced (fidelity subset) or plain (to keep in step)

@@ -36,13 +36,18 @@ def horizon(cfg: WorkloadBenchConfig) -> str:
 
 def summary_markdown(summaries: list[PolicySummary], fidelity_tokens: int) -> str:
     rag = any(s.f1 is not None for s in summaries)
-    head = ["policy", "prefix hit", "approx prefix", "segment hit", "computed tok", "compute", "prefill GFLOP",
+    recur = any(s.recurring_served_share is not None for s in summaries)
+    head = ["policy", "prefix hit", "approx prefix", "segment hit"] + (["recurring served [95% CI]"] if recur else []) + [
+            "computed tok", "compute", "prefill GFLOP",
             "TTFT mean / p50 / p99 (ms)", "vs none", "select (ms)", "top-1", "KL", f"match (of <= {fidelity_tokens})"]
     if rag:
         head += ["F1", "EM"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summaries:
-        row = [s.policy, _fmt(s.prefix_hit_rate, ".1%"), _fmt(s.approx_prefix_rate, ".1%"), _fmt(s.segment_hit_rate, ".1%"), str(s.computed_tokens),
+        row = [s.policy, _fmt(s.prefix_hit_rate, ".1%"), _fmt(s.approx_prefix_rate, ".1%"), _fmt(s.segment_hit_rate, ".1%")]
+        if recur:
+            row.append(_recurring_cell(s))
+        row += [str(s.computed_tokens),
                _fmt(s.compute_share, ".1%"), _fmt(s.prefill_gflops, ".0f"),
                f"{s.ttft_mean_ms:.0f} / {s.ttft_p50_ms:.0f} / {s.ttft_p99_ms:.0f}",
                _fmt(s.ttft_speedup, ".2f") + ("×" if s.ttft_speedup is not None else ""),
@@ -51,6 +56,14 @@ def summary_markdown(summaries: list[PolicySummary], fidelity_tokens: int) -> st
             row += [_fmt(s.f1, ".3f"), _fmt(s.em, ".3f")]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _recurring_cell(s: PolicySummary) -> str:
+    if s.recurring_served_share is None:
+        return "—"
+    if s.recurring_served_low is None:
+        return f"{s.recurring_served_share:.1%}"
+    return f"{s.recurring_served_share:.1%} [{s.recurring_served_low:.1%}, {s.recurring_served_high:.1%}]"
 
 
 def fidelity_markdown(summaries: list[PolicySummary]) -> str:
@@ -102,7 +115,7 @@ def write_outputs(out: str, cfg: WorkloadBenchConfig, policies: list[Policy], re
     with open(os.path.join(out, "summary.md"), "w") as f:
         warm = (f" after ingesting the corpus in {env['prewarm_prompts']} prompts, each opened by a preamble "
                 f"passage, {env['prewarm_passes']} pass(es) (untimed)") if cfg.prewarm else ""
-        f.write(f"{cfg.workload}: {env['num_requests']} requests{warm}, fidelity on {env['fidelity_requests']} "
+        f.write(f"{cfg.workload} ({cfg.prompt_form} prompts): {env['num_requests']} requests{warm}, fidelity on {env['fidelity_requests']} "
                 f"({horizon(cfg)}); {env['model']} {env['dtype']}, "
                 f"{env['gpu'] or str(env['torch_threads']) + ' thread(s), ' + env['cpu']}, "
                 f"load {env['load_avg_start']:.1f}→"

@@ -1,6 +1,7 @@
 """End-to-end workload benchmark: cache policies replayed over a RAG, chat or agent workload.
 
     sparsex bench workload --workload rag --policies none,sparsex --out runs/rag
+    sparsex bench workload --workload rag --prompt-form stuffed --policies none,prefix,sparsex --out runs/rag_stuffed
     sparsex bench workload --workload rag --no-prewarm --queries 16 --k 4 --policies none,prefix,naive,sparsex \\
         --out runs/rag_cold --plot-dir runs/rag_cold/img --threads 1
     sparsex bench workload --workload rag --stream --queries 500 --k 2 --out runs/stream
@@ -10,7 +11,15 @@ defaults are the headline configuration of docs/benchmarks.md (96 queries of k =
 corpus ingested first in three passes, float32, a pool of at most `MAX_AUTO_BLOCKS` blocks), so the
 first command above reproduces it.
 
-Modules: `workload_config` (options), `workload_prompts` (requests as token ids, corpus ingestion),
+**Prompt forms** (`--prompt-form`, rag and agent; `prompt_forms`): `explicit` sends each unit (passage,
+search result) as a segment; `stuffed`, `question-first` and `llamaindex` send the same units joined
+into one message through the chat path, as unchanged LangChain and LlamaIndex clients do, so only
+transparent segment reuse can find them. The rag ingestion (`--prewarm`) is the same in every form.
+Every form reports the share of recurring unit tokens (held by the ingestion or an earlier request)
+served from cache, with a bootstrap interval over requests.
+
+Modules: `workload_config` (options), `prompt_forms` (layouts, recurring tokens), `workload_prompts`
+(requests as token ids, corpus ingestion),
 `engine_cache` (engines per cache mode and role), `replay` (per-request records), `flop_model`
 (prefill work), `answer_scoring` (RAG F1/EM), `policy_summary` (per-policy summaries, intervals),
 `report` (tables and files), `plots`, `stream` (`--stream`), `peer` (`--peer vllm`).
@@ -63,6 +72,7 @@ from sparsex.bench.engine_cache import EngineCache
 from sparsex.bench.peer import run_peer
 from sparsex.bench.plots import plot_pareto, plot_ttft_cdf
 from sparsex.bench.policy_summary import PolicySummary, compare_to_default, summarize
+from sparsex.bench.prompt_forms import PROMPT_FORMS
 from sparsex.bench.replay import replay_policy, replay_reference
 from sparsex.bench.report import environment, fidelity_markdown, loadavg, summary_markdown, write_outputs
 from sparsex.bench.stream import run_stream, stream_markdown
@@ -100,7 +110,7 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
     if need_ref:
         ref_engine = engines.take("none", "timed", max(ref_blocks, cfg.num_blocks or 0))
         refs, none_records = replay_reference(cfg, ref_engine, requests, prompts, fid, flops,
-                                              keep=any(p.name == "none" for p in policies))
+                                              keep=any(p.name == "none" for p in policies), recurring=w.recurring)
         records += none_records
         del ref_engine               # no reference may outlive `release`, or the engine stays in memory
     if own:
@@ -124,7 +134,7 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
                     ingest_corpus(engine, w)          # into a freshly reset engine: every merge is in its index
                     if engine.segment_index is not None:
                         merged = sum(e.num_encodings - 1 for e in engine.segment_index.entries.values())
-            records += replay_policy(cfg, policy, timed, twin, requests, prompts, refs, fid, flops)
+            records += replay_policy(cfg, policy, timed, twin, requests, prompts, refs, fid, flops, w.recurring)
             del timed, twin
         if own:
             engines.release(cache)
@@ -177,6 +187,9 @@ def add_workload_bench_parser(subparsers: argparse._SubParsersAction) -> argpars
                     "--stream: segment hit rate over a long RAG stream on a small KV pool, lru vs frequency.",
         formatter_class=_HelpFormatter)
     p.add_argument("--workload", default="rag", help=f"one of {', '.join(WORKLOADS)}")
+    p.add_argument("--prompt-form", default="explicit", choices=PROMPT_FORMS,
+                   help="rag/agent: how the client lays out its units: explicit (one segment each), or in one "
+                        "message as unchanged apps do: stuffed (LangChain), question-first, llamaindex")
     p.add_argument("--policies", default=WorkloadBenchConfig.policies,
                    help="comma-separated: none, prefix, naive, epic16, epic32, cacheblend, sparsex, "
                         "or SELECTOR:F:RATIO[:BOUNDARY]")
@@ -268,7 +281,7 @@ def config_from_args(args: argparse.Namespace) -> WorkloadBenchConfig | StreamCo
         context_budget=args.context_budget, num_topics=args.num_topics, sessions=args.sessions,
         results_per_call=args.results_per_call, num_docs=args.num_docs,
         tool_apis=tuple(a.strip() for a in args.tool_apis.split(",") if a.strip()), zipf_a=args.zipf_a, seed=args.seed)
-    return WorkloadBenchConfig(workload=args.workload, policies=args.policies, sweep=args.sweep, model=args.model,
+    return WorkloadBenchConfig(workload=args.workload, prompt_form=args.prompt_form, policies=args.policies, sweep=args.sweep, model=args.model,
                                dtype=args.dtype, device=args.device, params=params,
                                fidelity_tokens=args.fidelity_tokens, fidelity_past_eos=args.fidelity_past_eos,
                                fidelity_every=args.fidelity_every, answer_tokens=args.answer_tokens,

@@ -46,6 +46,10 @@ class WorkloadBenchConfig:
     dtype: str = "float32"
     device: str = "cpu"                  # "cuda": replay on a GPU (fidelity at scale; its TTFT is not the CPU's)
     params: WorkloadParams = field(default_factory=WorkloadParams)
+    # how the application lays out the prompt (sparsex.bench.prompt_forms): "explicit" sends each unit
+    # as a segment; "stuffed", "question-first", "llamaindex" (rag, agent) send the units joined into
+    # one message through the chat path, as unchanged LangChain / LlamaIndex clients do
+    prompt_form: str = "explicit"
     # teacher-forced continuation: the reference's greedy tokens up to its EOS (included: stopping is a
     # decision too), at most this many. A served request ends at EOS, so what follows it is never seen:
     # `fidelity_past_eos` scores those positions too (template tokens, nearly always agreed on: they
@@ -74,7 +78,9 @@ class WorkloadBenchConfig:
     def verify(self) -> None:
         if self.workload not in WORKLOADS:
             raise ValueError(f"unknown workload {self.workload!r}; choose one of {WORKLOADS}")
+        from sparsex.bench.prompt_forms import verify_prompt_form
         from sparsex.config import verify_device
+        verify_prompt_form(self.prompt_form, self.workload)
         verify_device(self.device)           # CUDA's presence is checked by the first engine, before it loads
         _positive("fidelity_tokens", self.fidelity_tokens)
         _positive("answer_tokens", self.answer_tokens)

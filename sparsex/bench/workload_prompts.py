@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import random
+
+import numpy as np
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -34,6 +36,11 @@ def ingestion_preamble(cfg: WorkloadBenchConfig, tokenizer: Any, used: set[str])
 
 
 def build_workload(cfg: WorkloadBenchConfig, tokenizer: Any) -> list[Request]:
+    from sparsex.bench.prompt_forms import apply_form
+    return apply_form(_build(cfg, tokenizer), cfg.prompt_form)
+
+
+def _build(cfg: WorkloadBenchConfig, tokenizer: Any) -> list[Request]:
     from sparsex.bench import workloads
     p = cfg.params
     if cfg.workload == "rag":
@@ -59,6 +66,9 @@ class TokenizedWorkload:
     warm_prompts: list[TokenizedPrompt] = field(default_factory=list)   # rag prewarm: head + k passages
     # rag prewarm, passes 2..: the same passages in other groups and orders (computed exactly, merged)
     rewarm_prompts: list[TokenizedPrompt] = field(default_factory=list)
+    # per request, its tokens inside a unit (rag passage, agent search result) that the ingestion or
+    # an earlier request already held (sparsex.bench.prompt_forms.recurring_masks)  # each [num_tokens] bool
+    recurring: list[np.ndarray] = field(default_factory=list)
 
 
 def tokenized_workload(engines: EngineCache, make: Callable[[Any], list[Request]], prewarm: bool = False,
@@ -67,9 +77,11 @@ def tokenized_workload(engines: EngineCache, make: Callable[[Any], list[Request]
     """The workload built with a one-block engine's tokenizer: only the tokenizer and the model's
     shape are needed, and the KV pools are sized from the prompts."""
     from sparsex.bench.fidelity import pieces_prompt
+    from sparsex.bench.prompt_forms import form_prompt, recurring_masks
     probe = engines.take("none", "timed", 1, warm=False)
     requests = make(probe.tokenizer)
-    prompts = [pieces_prompt(probe, r.segments, [True] * len(r.segments)) for r in requests]
+    formed = [form_prompt(probe.tokenizer, probe.model_config.vocab_size, r) for r in requests]
+    prompts = [f[0] for f in formed]
     warm, rewarm = [], []
     if prewarm:
         # rag: segments = [system head, k passages, question]. Every distinct passage once, k to a prompt
@@ -91,8 +103,11 @@ def tokenized_workload(engines: EngineCache, make: Callable[[Any], list[Request]
                 chunk = order[i:i + k]
                 (warm if p == 0 else rewarm).append(pieces_prompt(
                     probe, [head, *lead, *chunk, "\n"], [True] + [False] * len(lead) + [True] * (len(chunk) + 1)))
+    # the ingestion held every rag passage (the warm prompts send the explicit pieces, whatever the form)
+    ingested = {u for r in requests for u in r.passages} if prewarm else set()
+    recurring = recurring_masks(requests, [f[2] for f in formed], [f[1] for f in formed], ingested)
     return TokenizedWorkload(requests, prompts, FlopModel.from_config(probe.model_config),
-                             probe.config.block_size, probe.tokenizer, warm, rewarm)
+                             probe.config.block_size, probe.tokenizer, warm, rewarm, recurring)
 
 
 def ingest_corpus(engine: LLMEngine, w: TokenizedWorkload) -> None:

@@ -52,6 +52,11 @@ class Request:
     user: str | None = None
     session: str | None = None
     turn: int = 0  # index of this call within its session
+    # the units whose recurrence the bench measures, in prompt order (rag: passages; agent: search
+    # results), and the rag question alone: `sparsex.bench.prompt_forms` lays them out in one message
+    passages: tuple[str, ...] = ()
+    question: str | None = None
+    form: str = "explicit"  # sparsex.bench.prompt_forms.PROMPT_FORMS
 
     def prompt_text(self) -> str:
         return "".join(self.segments)
@@ -276,9 +281,13 @@ RAG_SYSTEM_PROMPT = (
 )
 
 
-def rag_question(entry: WikiEntry) -> str:
+def rag_query(entry: WikiEntry) -> str:
     who = "who" if entry.topic == "People" else "what"
-    return f"Question: In a few words, {who} is {entry.title}?\nAnswer:"
+    return f"In a few words, {who} is {entry.title}?"
+
+
+def rag_question(entry: WikiEntry) -> str:
+    return f"Question: {rag_query(entry)}\nAnswer:"
 
 
 def rag_workload(
@@ -331,6 +340,8 @@ def rag_workload(
                 reference_answer=entry.description,
                 user=f"user-{q}",
                 session=f"rag-{q}",
+                passages=tuple(p.text for p in chosen),
+                question=rag_query(entry),
             )
         )
     return requests
@@ -589,6 +600,7 @@ def agent_workload(
                     user=f"user-{s}",
                     session=f"agent-s{s}",
                     turn=step,
+                    passages=tuple(m["content"] for m in messages if m["role"] == "tool"),
                 )
             )
             if step == len(task.subquestions):
