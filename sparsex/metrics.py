@@ -32,7 +32,7 @@ _COUNTER_FIELDS = {
     "approx_prefix_hits": ("approx_prefix_hits", "Prompt tokens served by blended KV blocks continuing a prefix hit."),
     "segment_cache_queries": ("segment_cache_queries", "Tokens of reusable segments looked up in the segment cache."),
     "segment_cache_hits": ("segment_cache_hits", "Tokens served by the segment cache."),
-    "segment_reused_tokens": ("segment_reused_tokens", "Reused prompt tokens found as explicit segments (whole)."),
+    "segment_reused_tokens": ("explicit_reused_tokens", "Reused prompt tokens found as explicit segments (whole)."),
     "transparent_reused_tokens": ("transparent_reused_tokens",
                                   "Reused prompt tokens found by content inside any prompt (transparent segments)."),
     "recomputed_tokens": ("sparse_kv_recomputed_tokens", "Reused tokens recomputed in the sparse layers."),

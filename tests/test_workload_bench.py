@@ -239,9 +239,10 @@ def test_rag_prewarm_ingests_every_passage_before_the_replay(tmp_path, engines) 
     summaries = {s.policy: s for s in run_workload_bench(cfg, engines)}
     records = json.loads((tmp_path / "warm" / "requests.json").read_text())["requests"]
     naive = [r for r in records if r["policy"] == "naive"]
-    # every passage is a segment hit: the ingestion prompts open with a preamble, so no passage was
-    # computed right after the head (an early encoding is not reused later in a prompt)
-    assert all(r["segment_hit_tokens"] == r["segment_lookup_tokens"] for r in naive)
+    # every passage token is served from cache: the ingestion prompts open with a preamble, so no
+    # passage was computed right after the head (an early encoding is not reused later in a prompt)
+    assert all(r["recurring_served"] == r["recurring_tokens"] > 0 for r in naive)
+    assert all(0 < r["segment_hit_tokens"] <= r["segment_lookup_tokens"] for r in naive)
     assert all(r["cached_tokens"] < 64 for r in naive)          # the head's blocks only, no passage
     assert sum(r["segment_lookup_tokens"] for r in naive) > 0
     cold = WorkloadBenchConfig(workload="rag", policies="naive", params=WorkloadParams(**kw),

@@ -74,7 +74,7 @@ TARGET_SHARE = 0.9           # share of unchanged tokens to serve from cache (th
 MAX_EDIT_TOKENS = 4          # a chat edit changes at most this many tokens (redrawn otherwise)
 MIN_EXCHANGES = 3            # chat: user/assistant exchanges before the last user message, at least
 AGENT_TOOL_API = "web_search"
-_WORD = re.compile(r"\b[A-Za-z]{3,}\b")
+_WORD = re.compile(r"(?<![\w'-])[A-Za-z]{3,}(?![\w'-])")     # a whole word, not part of "don't" or "x-ray"
 _DONOR = re.compile(r"\b[a-z]{3,10}\b")
 _REF_BLOCKS = 512            # KV pool of the full-prefill reference engine (one request at a time)
 _EDIT_DRAWS = 64             # redraws before a chat case gives up finding a few-token edit
@@ -119,7 +119,8 @@ class CasePrompts:
         return max(added, removed)
 
 
-def token_diff(first_ids: Sequence[int], second_ids: Sequence[int], shared_end: int) -> tuple[np.ndarray, tuple[int, int]]:
+def token_diff(first_ids: Sequence[int], second_ids: Sequence[int],
+               shared_end: int) -> tuple[np.ndarray, tuple[int, int]]:
     """The unchanged tokens of the second prompt and the edit's span in it.
 
     unchanged: [len(second_ids)] bool, positions of `second_ids[:shared_end]` inside a matching block
@@ -176,9 +177,10 @@ def _edit_text(text: str, donors: list[str], rng: np.random.Generator) -> tuple[
         raise ValueError(f"no word to edit in {text[:60]!r}")
     m = words[int(rng.integers(len(words)))]
     donor = donors[int(rng.integers(len(donors)))]
-    if rng.random() < 0.5 and donor.lower() != m.group().lower():
-        return text[:m.start()] + donor + text[m.end():], f"replace {m.group()!r} -> {donor!r} at char {m.start()}"
-    return text[:m.start()] + donor + " " + text[m.start():], f"insert {donor!r} before {m.group()!r} at char {m.start()}"
+    at, word = m.start(), m.group()
+    if rng.random() < 0.5 and donor.lower() != word.lower():
+        return text[:at] + donor + text[m.end():], f"replace {word!r} -> {donor!r} at char {at}"
+    return text[:at] + donor + " " + text[at:], f"insert {donor!r} before {word!r} at char {at}"
 
 
 def chat_cases(tokenizer: Any, num_cases: int, seed: int = 0, chat_tokens: int = 1200) -> list[EditCase]:
@@ -544,7 +546,8 @@ def summary_markdown(rows: list[EditSummary]) -> str:
     for s in rows:
         ci = s.served_share_mean
         lines.append("| " + " | ".join([
-            s.kind, s.cache, str(s.cases), f"{s.prompt_tokens:.0f}", f"{s.unchanged_tokens:.0f}", f"{s.edit_tokens:.1f}",
+            s.kind, s.cache, str(s.cases), f"{s.prompt_tokens:.0f}", f"{s.unchanged_tokens:.0f}",
+            f"{s.edit_tokens:.1f}",
             f"{s.prefix_tokens:.0f}", f"{s.reused_tokens:.0f}", f"**{s.served_share:.1%}**",
             f"{ci.mean:.1%} [{ci.low:.1%}, {ci.high:.1%}]", f"{s.min_case_share:.1%}",
             f"{s.unserved_before_edit:.1f} / {s.unserved_after_edit:.1f}",
@@ -610,8 +613,10 @@ def add_edit_replay_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--model", default=d.model)
     p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--chat-tokens", type=int, default=d.chat_tokens, help="chat: conversation length before the last message")
-    p.add_argument("--results-per-call", type=int, default=d.results_per_call, help="agent: search results per tool message")
+    p.add_argument("--chat-tokens", type=int, default=d.chat_tokens,
+                   help="chat: tokens of turns before request 1's last message, at least")
+    p.add_argument("--results-per-call", type=int, default=d.results_per_call,
+                   help="agent: search results per tool message")
     p.add_argument("--fidelity-tokens", type=int, default=d.fidelity_tokens,
                    help="greedy tokens of request 2 compared with full prefill")
     # checked by argparse: `sparsex` sets the threads before the handler runs

@@ -1,5 +1,11 @@
-"""Segment index: lookup cost at 10^5 entries, memory per entry, and eviction under a stream of
-novel content (LRU vs GreedyDual-Size-Frequency), without a model.
+"""Segment index: lookup cost at 10^5 entries, memory per entry, the span index's memory per cached
+token and search time (transparent segments), and eviction under a stream of novel content (LRU vs
+GreedyDual-Size-Frequency), without a model.
+
+The span-index run indexes real passages (the wiki rag corpus, tokenized) as the exact KV of earlier
+requests, then searches one-message prompts of 8k and 32k tokens made of those passages in a new
+order: bytes of index per cached token (Python-side: anchors, token copies for verification, block
+references; not KV), registration cost per token, and search time per prompt.
 
 The eviction run replays a RAG stream at the index level: each query brings k passages; a share of
 them are drawn by Zipf popularity from a reusable corpus (real passage lengths from the wiki rag
@@ -20,6 +26,7 @@ import numpy as np
 from sparsex.cache.block_pool import BlockPool
 from sparsex.cache.kv_cache_manager import cdiv
 from sparsex.segment.segment_index import SegmentIndex
+from sparsex.segment.span_index import SpanIndex
 
 
 def lookup_cost(num_entries: int = 100_000, seg_len: int = 400, block_size: int = 16) -> dict:
@@ -48,6 +55,48 @@ def lookup_cost(num_entries: int = 100_000, seg_len: int = 400, block_size: int 
     index.check_integrity()
     return {"entries": num_entries, "segment_tokens": seg_len, "bytes_per_entry": mem / num_entries,
             "lookup_hit_us": 1e6 * t_hit, "lookup_miss_us": 1e6 * t_miss, "hits": hits, "misses": miss}
+
+
+def span_index_cost(passages: list[list[int]], prompt_tokens: tuple[int, ...] = (8192, 32768), block_size: int = 16,
+                    min_tokens: int = 16, repeats: int = 20) -> dict:
+    """Index `passages` (token ids) as request runs, `block_size`-token blocks each, then time `find`
+    on prompts of each length in `prompt_tokens` made of indexed passages in a shuffled order."""
+    rng = np.random.default_rng(0)
+
+    def build(pool: BlockPool) -> tuple[SpanIndex, int]:
+        index, cached = SpanIndex(block_size), 0
+        for p in passages:
+            n = len(p) // block_size * block_size        # whole blocks only, as the prefix chain registers them
+            if n:
+                index.add_request_run(p, None, 0, pool.get_new_blocks(n // block_size))
+                cached += n
+        return index, cached
+
+    pools = [BlockPool(sum(cdiv(len(p), block_size) for p in passages), enable_caching=False) for _ in range(2)]
+    t0 = time.perf_counter()
+    index, cached = build(pools[0])                      # timed without tracemalloc (it slows allocation)
+    register_s = time.perf_counter() - t0
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    traced, _ = build(pools[1])                          # the pool's own block objects are not counted
+    mem = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    del traced
+    searches = {}
+    for length in prompt_tokens:
+        prompt: list[int] = []
+        for i in rng.permutation(len(passages)).tolist() * (1 + length // max(1, cached)):
+            prompt += passages[i] + [198, 198]           # a blank line between passages
+            if len(prompt) >= length:
+                break
+        arr = np.asarray(prompt[:length], dtype=np.int32)
+        found = index.find(arr, 0, len(arr), None, min_tokens)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            index.find(arr, 0, len(arr), None, min_tokens)
+        searches[length] = ((time.perf_counter() - t0) / repeats, sum(m.num_tokens for m in found) / len(arr))
+    return {"cached_tokens": cached, "anchors": index.num_anchors(), "bytes_per_token": mem / max(1, cached),
+            "register_us_per_token": 1e6 * register_s / max(1, cached), "searches": searches}
 
 
 def eviction_stream(policy: str, lengths: list[int], num_queries: int, k: int, novel_share: float,
@@ -114,7 +163,16 @@ def main(argv: list[str] | None = None) -> None:
     from sparsex.bench.workloads import build_passages
     from sparsex.models.loader import load_model
     tok = load_model("smollm2-135m-instruct").tokenizer
-    lengths = [p.num_tokens for p in build_passages(tok, args.corpus)]
+    corpus = build_passages(tok, args.corpus)
+    lengths = [p.num_tokens for p in corpus]
+
+    sp = span_index_cost([tok.encode(p.text, add_special_tokens=False) for p in corpus])
+    print(f"\nspan index: {len(corpus)} real passages as request runs, {sp['cached_tokens']:,} cached tokens, "
+          f"{sp['anchors']:,} anchors")
+    print("| index bytes per cached token | registration per token | prompt | search | prompt found |\n|---|---|---|---|---|")
+    for length, (sec, share) in sp["searches"].items():
+        print(f"| {sp['bytes_per_token']:.1f} B | {sp['register_us_per_token']:.2f} µs | {length:,} tokens | "
+              f"{1000 * sec:.2f} ms | {100 * share:.1f}% |")
     print(f"\nstream: {args.queries} queries x {args.k} passages, {100*args.novel_share:.0f}% novel one-off passages, "
           f"corpus {len(lengths)} real passages ({sum(lengths):,} tokens), pool = {100*args.pool_fraction:.0f}% of the corpus")
     curves = {}

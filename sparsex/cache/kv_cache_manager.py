@@ -141,7 +141,12 @@ class KVCacheManager:
         req.num_exact_cached_blocks = n
 
     def _report_run(self, req: Request, start: int, end: int) -> None:
-        if self.on_exact_blocks is not None:
+        # only blocks of prompt tokens become span sources: generated tokens rarely recur elsewhere,
+        # and a teacher-forced evaluation (prompt + continuation, `query_horizon`) must index exactly
+        # what the plain request indexes
+        prompt_end = req.num_prompt_tokens if req.query_horizon is None else min(req.query_horizon, req.num_prompt_tokens)
+        end = min(end, prompt_end // self.block_size)
+        if self.on_exact_blocks is not None and end > start:
             self.on_exact_blocks(req, start, req.blocks[start:end])
 
     def _hash_approx(self, req: Request, n_full: int) -> None:
