@@ -201,3 +201,30 @@ def test_blended_rows_are_not_a_source(llm_tx, passages):
         at = next(i for i in range(len(ids)) if ids[i:i + len(rows)] == rows)
         # the stretch lies in the fresh part: it overlaps no reused span
         assert all(at + len(rows) <= s or e2 <= at for s, e2 in reused)
+
+
+def test_edited_conversation_reuses_later_messages_and_their_glue(llm_tx, passages):
+    """A conversation re-sent with an earlier message edited: every message after the edit, and the
+    chat template's glue between them, comes back as one run of the first request's KV (the whole
+    messages are explicit hits too, but they would leave the glue to recompute)."""
+    eng = llm_tx.llm_engine
+    eng.reset_cache()
+    msgs = [{"role": "system", "content": HEAD},
+            {"role": "user", "content": "Tell me about this: " + passages[0]},
+            {"role": "assistant", "content": passages[1]},
+            {"role": "user", "content": passages[2]},
+            {"role": "assistant", "content": passages[3]},
+            {"role": "user", "content": "And what follows from that?"}]
+    first = eng.chat_to_prompt(msgs)
+    run_to_completion(eng, first, ONE)
+    edited = [dict(m) for m in msgs]
+    edited[1]["content"] = "Tell me all about this: " + passages[0]            # a word inserted early on
+    second = eng.chat_to_prompt(edited)
+    out, _ = run_to_completion(eng, second, ONE)
+    text = eng.tokenizer.decode(second.token_ids)
+    # from the start of the assistant message after the edit to the end of the last reply: one span
+    lo = len(eng.tokenizer.encode(text[:text.index(passages[1])], add_special_tokens=False))
+    hi = len(eng.tokenizer.encode(text[:text.index(passages[3]) + len(passages[3])], add_special_tokens=False))
+    covering = [s for s in out.reused_spans if s.start <= lo and hi <= s.end]
+    assert len(covering) == 1 and covering[0].source in SOURCES, out.reused_spans
+    assert served(out, passages[0][40:], text, eng) > 0.9          # the edited message's tail too

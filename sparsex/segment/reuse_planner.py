@@ -13,6 +13,7 @@ Spans are found two ways, in this order:
   transparent  every other maximal run of at least `min_segment_tokens` tokens equal to tokens whose
                KV the engine holds, found by content (`span_index.SpanIndex.find`): inside an index
                entry ("indexed") or in the exact prefix-cached KV of an earlier request ("request").
+               A run that covers explicit hits and the glue between them replaces them.
                `ReuseConfig.transparent_segments` turns it off.
 
 A request whose hits total fewer than `min_blend_tokens` does not blend at all (its hits are
@@ -31,7 +32,7 @@ from sparsex.cache.block_pool import KVCacheBlock
 from sparsex.config import ReuseConfig
 from sparsex.request import Request
 from sparsex.segment.segment_index import SegmentEntry, SegmentIndex
-from sparsex.segment.span_index import SpanIndex
+from sparsex.segment.span_index import SpanIndex, resolve_spans
 
 
 @dataclass(frozen=True)
@@ -115,9 +116,20 @@ class ReusePlanner:
         if reuse.transparent_segments and self.spans is not None and end - 1 > num_prefix_hit:
             if req.prompt_token_array is None:
                 req.prompt_token_array = np.asarray(toks, dtype=np.int32)
+            runs = self.spans.find(req.prompt_token_array, num_prefix_hit, end - 1, req.cache_salt,
+                                   reuse.min_segment_tokens, early, reuse.min_context_tokens)
+            # A run found by content that covers explicit hits and serves more than they do (the
+            # template glue between re-sent messages, which no segment holds) replaces them;
+            # otherwise the explicit hits stand (an entry may hold merged encodings) and the runs
+            # keep only what lies outside them
+            replaced = set()
+            for m in runs:
+                covered = [i for i, h in enumerate(hits) if m.start <= h.start and h.end <= m.end]
+                if covered and sum(hits[i].num_tokens for i in covered) < m.num_tokens:
+                    replaced.update(covered)
+            hits = [h for i, h in enumerate(hits) if i not in replaced]
             taken = [(h.start, h.end) for h in hits] + early
-            for m in self.spans.find(req.prompt_token_array, num_prefix_hit, end - 1, req.cache_salt,
-                                     reuse.min_segment_tokens, taken, reuse.min_context_tokens):
+            for m in resolve_spans(runs, taken, reuse.min_segment_tokens):
                 pos, blocks = m.source.blocks_for(m.offset, m.num_tokens)
                 entry = m.source.entry
                 hits.append(SpanHit(m.start, m.end, pos, blocks, "indexed" if entry is not None else "request", entry))

@@ -101,6 +101,7 @@ class SpanSource:
     alive: list[bool] = field(default_factory=list)                # kind "request": block j still holds its KV
     anchor_refs: list[list[tuple[int, int]]] = field(default_factory=list)   # per block (request) or one
                                        # list (entry): the (hash, offset) pairs this source put in the index
+    num_dead: int = 0                  # kind "request": blocks whose KV is gone (alive[j] False)
 
     @property
     def blocks(self) -> list[KVCacheBlock]:
@@ -109,7 +110,7 @@ class SpanSource:
     def clip_to_live(self, start: int, end: int, offset: int) -> tuple[int, int]:
         """[start, end) (offsets, around `offset`) cut to the blocks around `offset` whose KV is still
         there: walks only the blocks of the run being extended, never the whole source."""
-        if self.entry is not None:
+        if self.entry is not None or self.num_dead == 0:
             return start, end
         bs, j = self.block_size, offset // self.block_size
         lo = j
@@ -146,7 +147,7 @@ class SpanMatch:
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     """Length of the common prefix of two int32 arrays (chunks growing 4x: a long match costs few calls)."""
     n = min(len(a), len(b))
-    i, step = 0, 32
+    i, step = 0, 256               # a numpy compare costs about the same up to a few hundred elements
     while i < n:
         j = min(n, i + step)
         neq = np.flatnonzero(a[i:j] != b[i:j])
@@ -248,6 +249,7 @@ class SpanIndex:
             return
         src, j = run
         src.alive[j] = False
+        src.num_dead += 1
         self._drop(src, src.anchor_refs[j])
         src.anchor_refs[j] = []
 
@@ -277,12 +279,13 @@ class SpanIndex:
                     free[max(a, lo) - lo:max(min(b, hi) - lo, 0)] = False
                 keep = free[pos]
                 pos, hashes = pos[keep], hashes[keep]
-            refs = list(map(table.get, hashes.tolist()))
+            # looked up lazily: after a run is found, the anchors inside it are skipped unread
+            hashes = hashes.tolist()
             starts = (pos + lo).tolist()
             found: list[SpanMatch] = []
-            i, n = 0, len(refs)
+            i, n = 0, len(hashes)
             while i < n:
-                r = refs[i]
+                r = table.get(hashes[i])
                 if not r:
                     i += 1
                     continue
@@ -298,7 +301,7 @@ class SpanIndex:
                 found.append(best)
                 # the anchors inside the run just found were extended over: go on past its end
                 i = max(i + 1, bisect.bisect_left(starts, best.end, i + 1))
-            return _resolve(found, list(taken), min_tokens)
+            return resolve_spans(found, list(taken), min_tokens)
         finally:
             self.search_seconds += time.perf_counter() - t0
 
@@ -351,7 +354,7 @@ class SpanIndex:
                 raise RuntimeError(f"request run block {bid} is not a cached block any more")
 
 
-def _resolve(found: list[SpanMatch], taken: list[tuple[int, int]], min_tokens: int) -> list[SpanMatch]:
+def resolve_spans(found: list[SpanMatch], taken: list[tuple[int, int]], min_tokens: int) -> list[SpanMatch]:
     """Longest first: each run keeps its pieces that no longer run or `taken` interval covers, if a
     piece still has `min_tokens` tokens."""
     out: list[SpanMatch] = []
