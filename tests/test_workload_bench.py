@@ -175,6 +175,7 @@ def test_rag_end_to_end(tmp_path, engines) -> None:
     assert by["none"].prefix_hit_rate == 0 and by["none"].compute_share == pytest.approx(1.0)
     assert by["naive"].compute_share < by["sparsex"].compute_share < 1.0
     assert all(s.f1 is not None and s.em is not None for s in summaries)     # rag has reference answers
+    assert by["none"].answer_agreement == 1.0 and all(0 <= s.answer_agreement <= 1 for s in summaries)
     assert by["none"].ttft_speedup == pytest.approx(1.0)
     # the plots draw the summary's and the records' numbers (drawn again here to get their series)
     assert sorted(os.listdir(tmp_path / "img")) == ["workload_rag_pareto.png", "workload_rag_ttft_cdf.png"]

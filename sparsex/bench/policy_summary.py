@@ -65,6 +65,8 @@ class PolicySummary:
     recurring_served_share: float | None = None
     recurring_served_low: float | None = None
     recurring_served_high: float | None = None
+    # rag: share of requests whose greedy answer is the same text as full prefill's (when `none` ran)
+    answer_agreement: float | None = None
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -154,14 +156,22 @@ def compare_to_default(summaries: list[PolicySummary], records: list[RequestReco
     """Fill every summary's paired KL difference against `sparsex` (the engine default), over the
     fidelity requests both measured (weighted by scored positions), and its paired answer-F1
     difference against `none` (full prefill): teacher forcing counts a flipped near-tie once, a
-    free-running answer goes on from it."""
+    free-running answer goes on from it; and the share of its greedy answers equal to full prefill's."""
     kl, f1 = {}, {}
     for r in records:
         if r.fidelity and r.kl is not None:
             kl.setdefault(r.policy, {})[r.index] = (r.kl, _positions([r])[0])
         if r.f1 is not None:
             f1.setdefault(r.policy, {})[r.index] = (r.f1, 1)
+    answers: dict[str, dict[int, str]] = {}
+    for r in records:
+        if r.answer is not None:
+            answers.setdefault(r.policy, {})[r.index] = r.answer
     for s in summaries:
+        mine, ref = answers.get(s.policy, {}), answers.get("none", {})
+        common = set(mine) & set(ref)
+        if common:
+            s.answer_agreement = sum(mine[i] == ref[i] for i in common) / len(common)
         if (d := _paired(kl, s.policy, "sparsex")) is not None:
             s.kl_minus_sparsex, s.kl_minus_sparsex_low, s.kl_minus_sparsex_high = d.mean, d.low, d.high
         if (d := _paired(f1, s.policy, "none")) is not None:

@@ -41,7 +41,7 @@ def summary_markdown(summaries: list[PolicySummary], fidelity_tokens: int) -> st
             "computed tok", "compute", "prefill GFLOP",
             "TTFT mean / p50 / p99 (ms)", "vs none", "select (ms)", "top-1", "KL", f"match (of <= {fidelity_tokens})"]
     if rag:
-        head += ["F1", "EM"]
+        head += ["F1", "EM", "answer = none's"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summaries:
         row = [s.policy, _fmt(s.prefix_hit_rate, ".1%"), _fmt(s.approx_prefix_rate, ".1%"), _fmt(s.segment_hit_rate, ".1%")]
@@ -53,7 +53,7 @@ def summary_markdown(summaries: list[PolicySummary], fidelity_tokens: int) -> st
                _fmt(s.ttft_speedup, ".2f") + ("×" if s.ttft_speedup is not None else ""),
                _fmt(s.selection_ms, ".1f"), _fmt(s.top1, ".1%"), _fmt(s.kl, ".4f"), _fmt(s.match_len, ".1f")]
         if rag:
-            row += [_fmt(s.f1, ".3f"), _fmt(s.em, ".3f")]
+            row += [_fmt(s.f1, ".3f"), _fmt(s.em, ".3f"), _fmt(s.answer_agreement, ".1%")]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
