@@ -67,6 +67,9 @@ class PolicySummary:
     recurring_served_high: float | None = None
     # rag: share of requests whose greedy answer is the same text as full prefill's (when `none` ran)
     answer_agreement: float | None = None
+    # transparent segments: host time finding spans, per request (mean), and its share of the TTFT
+    span_search_ms: float = 0.0
+    span_search_share: float | None = None
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -105,6 +108,8 @@ def summarize(workload: str, policy: Policy, recs: list[RequestRecord], flops: F
         em=mean([r.em for r in scored]),
         twin_mismatches=sum(1 for r in recs if r.twin_match is False),
         **_fidelity_intervals(fr), **_top1_misses(fr), **_recurring(recs),
+        span_search_ms=mean([r.span_search_ms for r in recs]) or 0.0,
+        span_search_share=(sum(r.span_search_ms for r in recs) / sum(ttft)) if sum(ttft) > 0 else None,
     )
 
 

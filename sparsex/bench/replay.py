@@ -48,6 +48,7 @@ class RequestRecord:
     miss_margins: list[float] | None = None  # at each top-1 disagreement, full prefill's p(top-1) - p(second)
     position_kl: list[float] | None = None   # KL at each teacher-forced position (any shorter horizon's metrics)
     miss_positions: list[int] | None = None  # teacher-forced positions where top-1 disagreed
+    span_search_ms: float = 0.0    # host time finding transparent spans (on the TTFT path)
     recurring_tokens: int = 0      # tokens of units (passages, results) an earlier request or the ingestion held
     recurring_served: int = 0      # ... of them served from cache (exact prefix or a reused span)
 
@@ -170,7 +171,8 @@ def replay_policy(cfg: WorkloadBenchConfig, policy: Policy, timed: LLMEngine,
             cfg.workload, policy.name, i, req.request_id, n, cached, reused, rec_n, n - cached - reused + rec_n,
             tl, fl / 1e9, out.metrics.ttft or 0.0, 1000 * (st1.selection_seconds - st0.selection_seconds),
             st1.segment_cache_queries - st0.segment_cache_queries, st1.segment_cache_hits - st0.segment_cache_hits,
-            fid[i], approx_prefix_tokens=approx)
+            fid[i], approx_prefix_tokens=approx,
+            span_search_ms=1000 * (st1.span_search_seconds - st0.span_search_seconds))
         if recurring is not None:
             mask = recurring[i]
             served = served_mask(n, cached, [(s.start, s.end) for s in out.reused_spans])

@@ -39,7 +39,7 @@ def summary_markdown(summaries: list[PolicySummary], fidelity_tokens: int) -> st
     recur = any(s.recurring_served_share is not None for s in summaries)
     head = ["policy", "prefix hit", "approx prefix", "segment hit"] + (["recurring served [95% CI]"] if recur else []) + [
             "computed tok", "compute", "prefill GFLOP",
-            "TTFT mean / p50 / p99 (ms)", "vs none", "select (ms)", "top-1", "KL", f"match (of <= {fidelity_tokens})"]
+            "TTFT mean / p50 / p99 (ms)", "vs none", "select (ms)", "span search (ms, % of TTFT)", "top-1", "KL", f"match (of <= {fidelity_tokens})"]
     if rag:
         head += ["F1", "EM", "answer = none's"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -51,7 +51,8 @@ def summary_markdown(summaries: list[PolicySummary], fidelity_tokens: int) -> st
                _fmt(s.compute_share, ".1%"), _fmt(s.prefill_gflops, ".0f"),
                f"{s.ttft_mean_ms:.0f} / {s.ttft_p50_ms:.0f} / {s.ttft_p99_ms:.0f}",
                _fmt(s.ttft_speedup, ".2f") + ("×" if s.ttft_speedup is not None else ""),
-               _fmt(s.selection_ms, ".1f"), _fmt(s.top1, ".1%"), _fmt(s.kl, ".4f"), _fmt(s.match_len, ".1f")]
+               _fmt(s.selection_ms, ".1f"), f"{s.span_search_ms:.2f} ({_fmt(s.span_search_share, '.2%')})",
+               _fmt(s.top1, ".1%"), _fmt(s.kl, ".4f"), _fmt(s.match_len, ".1f")]
         if rag:
             row += [_fmt(s.f1, ".3f"), _fmt(s.em, ".3f"), _fmt(s.answer_agreement, ".1%")]
         lines.append("| " + " | ".join(row) + " |")
