@@ -187,3 +187,14 @@ def test_entry_anchors_leave_with_the_entry():
 def test_tiny_inputs(n):
     pos, h = anchors(np.asarray(toks(n), dtype=np.int32))
     assert len(pos) == len(h) and (n < si.KGRAM) == (len(pos) == 0)
+
+
+def test_span_index_cost_bench_measures_memory_and_finds_the_passages():
+    from sparsex.bench.segment_index_bench import span_index_cost
+    rng = np.random.default_rng(3)
+    passages = [rng.integers(0, 49152, int(n)).tolist() for n in rng.integers(100, 300, 40)]
+    r = span_index_cost(passages, prompt_tokens=(2048,), repeats=2)
+    assert r["cached_tokens"] == sum(len(p) // 16 * 16 for p in passages)
+    assert r["anchors"] > 0 and 0 < r["bytes_per_token"] < 1000
+    sec, share = r["searches"][2048]
+    assert sec > 0 and share > 0.8           # the prompt is made of indexed passages: nearly all of it is found

@@ -13,7 +13,7 @@ workload), the rest are one-off novel passages (never seen again). A miss alloca
 blocks from a pool that holds only a fraction of the corpus, which may evict entries. Reported: the
 segment hit rate (tokens) of the reusable passages over time, per policy.
 
-    python -m sparsex.bench.segment_index_bench
+    python -m sparsex.bench.segment_index_bench [--sections index,spans,stream]
 """
 from __future__ import annotations
 
@@ -138,6 +138,12 @@ def eviction_stream(policy: str, lengths: list[int], num_queries: int, k: int, n
     return curve
 
 
+def _print_lookup_cost(r: dict) -> None:
+    print(f"| entries | tokens/entry | index memory per entry | lookup (hit) | lookup (miss) |\n|---|---|---|---|---|\n"
+          f"| {r['entries']:,} | {r['segment_tokens']} | {r['bytes_per_entry']:.0f} B | {r['lookup_hit_us']:.1f} µs | "
+          f"{r['lookup_miss_us']:.1f} µs |")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--entries", type=int, default=100_000)
@@ -147,7 +153,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--novel-share", type=float, default=0.5)
     ap.add_argument("--pool-fraction", type=float, default=0.25)
     ap.add_argument("--plot", default=None, help="save the hit-rate-over-time plot here (PNG)")
+    ap.add_argument("--sections", default="index,spans,stream",
+                    help="comma-separated: index (lookup cost), spans (span index), stream (eviction)")
     args = ap.parse_args(argv)
+    sections = {x.strip() for x in args.sections.split(",") if x.strip()}
+    if not sections or sections - {"index", "spans", "stream"}:
+        ap.error(f"--sections: choose from index, spans, stream; got {args.sections!r}")
     if args.plot:
         from sparsex.bench.plots import require_matplotlib
         try:
@@ -155,10 +166,10 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:
             ap.error(str(e))
 
-    r = lookup_cost(args.entries)
-    print(f"| entries | tokens/entry | index memory per entry | lookup (hit) | lookup (miss) |\n|---|---|---|---|---|\n"
-          f"| {r['entries']:,} | {r['segment_tokens']} | {r['bytes_per_entry']:.0f} B | {r['lookup_hit_us']:.1f} µs | "
-          f"{r['lookup_miss_us']:.1f} µs |")
+    if "index" in sections:
+        _print_lookup_cost(lookup_cost(args.entries))
+    if not sections & {"spans", "stream"}:
+        return
 
     from sparsex.bench.workloads import build_passages
     from sparsex.models.loader import load_model
@@ -166,13 +177,17 @@ def main(argv: list[str] | None = None) -> None:
     corpus = build_passages(tok, args.corpus)
     lengths = [p.num_tokens for p in corpus]
 
-    sp = span_index_cost([tok.encode(p.text, add_special_tokens=False) for p in corpus])
-    print(f"\nspan index: {len(corpus)} real passages as request runs, {sp['cached_tokens']:,} cached tokens, "
-          f"{sp['anchors']:,} anchors")
-    print("| index bytes per cached token | registration per token | prompt | search | prompt found |\n|---|---|---|---|---|")
-    for length, (sec, share) in sp["searches"].items():
-        print(f"| {sp['bytes_per_token']:.1f} B | {sp['register_us_per_token']:.2f} µs | {length:,} tokens | "
-              f"{1000 * sec:.2f} ms | {100 * share:.1f}% |")
+    if "spans" in sections:
+        sp = span_index_cost([tok.encode(p.text, add_special_tokens=False) for p in corpus])
+        print(f"\nspan index: {len(corpus)} real passages as request runs, {sp['cached_tokens']:,} cached tokens, "
+              f"{sp['anchors']:,} anchors")
+        print("| index bytes per cached token | registration per token | prompt | search | prompt found |\n"
+              "|---|---|---|---|---|")
+        for length, (sec, share) in sp["searches"].items():
+            print(f"| {sp['bytes_per_token']:.1f} B | {sp['register_us_per_token']:.2f} µs | {length:,} tokens | "
+                  f"{1000 * sec:.2f} ms | {100 * share:.1f}% |")
+    if "stream" not in sections:
+        return
     print(f"\nstream: {args.queries} queries x {args.k} passages, {100*args.novel_share:.0f}% novel one-off passages, "
           f"corpus {len(lengths)} real passages ({sum(lengths):,} tokens), pool = {100*args.pool_fraction:.0f}% of the corpus")
     curves = {}
