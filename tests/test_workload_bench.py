@@ -266,7 +266,7 @@ def test_rag_prewarm_ingests_every_passage_before_the_replay(tmp_path, engines) 
     header = (tmp_path / "warm" / "summary.md").read_text().splitlines()[0]
     assert f"after ingesting the corpus in {len(w.warm_prompts)} prompts" in header and "3 pass(es)" in header
     cold_header = (tmp_path / "cold" / "summary.md").read_text().splitlines()[0]
-    assert cold_header.startswith(f"rag: {env['num_requests']} requests, fidelity on")
+    assert cold_header.startswith(f"rag (explicit prompts): {env['num_requests']} requests, fidelity on")
     # the same passages, every pass, in other groupings (seeded: the same again)
     again = tokenized_workload(engines, lambda tok: build_workload(cfg, tok), prewarm=True,
                                make_preamble=lambda tok, used: ingestion_preamble(cfg, tok, used),
