@@ -264,6 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)          # usage errors: argparse prints them and exits 2
     threads = getattr(args, "threads", None)       # `serve` has --torch-threads instead
+    if threads is not None and threads < 1:        # a subcommand's own --threads may be a plain int
+        parser.error(f"--threads must be >= 1, got {threads}")
     if threads is not None:
         import torch
         torch.set_num_threads(threads)

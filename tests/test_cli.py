@@ -163,3 +163,13 @@ def test_generate_takes_every_engine_flag() -> None:
     knobs = engine_knobs(args)
     assert knobs["min_blend_tokens"] == 0 and knobs["selector"] == "boundary" and knobs["max_model_len"] == 512
     assert knobs["model"] == "dummy:smollm2-135m" and knobs["cache"] == "sparsex" and knobs["dtype"] == "auto"
+
+
+def test_zero_threads_is_a_usage_error_for_every_subcommand(capsys) -> None:
+    from sparsex import cli
+    for argv in (["bench", "workload", "--threads", "0"], ["bench", "edit", "--threads", "0"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "--threads" in err and "Traceback" not in err
