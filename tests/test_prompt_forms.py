@@ -7,6 +7,7 @@ import pytest
 from sparsex.bench.prompt_forms import (PROMPT_FORMS, agent_messages, apply_form, rag_messages, recurring_masks,
                                         served_mask, unit_mask, verify_prompt_form)
 from sparsex.bench.workloads import Request
+from sparsex.outputs import ReusedSpan
 
 PASSAGES = ["Paris is the capital of France.", "Berlin is the capital of Germany.", "Rome is in Italy."]
 
@@ -80,5 +81,5 @@ def test_unit_and_recurring_masks_follow_character_offsets() -> None:
 
 
 def test_served_mask_is_the_prefix_and_every_span() -> None:
-    assert served_mask(8, 2, [(4, 6)]).tolist() == [True, True, False, False, True, True, False, False]
+    assert served_mask(8, 2, [ReusedSpan(4, 6, "request")]).tolist() == [True, True, False, False, True, True, False, False]
     assert not served_mask(3, 0, []).any()

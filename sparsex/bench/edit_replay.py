@@ -64,6 +64,7 @@ import numpy as np
 from sparsex.bench.datasets import (WikiEntry, load_bfcl_tool_docs, load_bfcl_web_search_tasks,
                                     load_wiki_entries)
 from sparsex.bench.engine_cache import EngineCache
+from sparsex.bench.prompt_forms import served_mask
 from sparsex.bench.stats import Interval, bootstrap_mean
 from sparsex.bench.workloads import AGENT_SYSTEM_PROMPT, CHAT_SYSTEM_PROMPTS, FOLLOW_UPS, split_sentences
 from sparsex.inputs import TokenizedPrompt, chat_prompt
@@ -382,15 +383,6 @@ class CaseRecord:
     @property
     def served_share(self) -> float:
         return self.served_unchanged / self.unchanged_tokens if self.unchanged_tokens else 1.0
-
-
-def served_mask(num_tokens: int, num_cached_tokens: int, spans: Sequence[Any]) -> np.ndarray:
-    """[num_tokens] bool: [0, num_cached_tokens) and every reused span [start, end)."""
-    mask = np.zeros(num_tokens, dtype=bool)
-    mask[:num_cached_tokens] = True
-    for s in spans:
-        mask[s.start:s.end] = True
-    return mask
 
 
 def _runs(mask: np.ndarray) -> list[tuple[int, int]]:

@@ -157,10 +157,11 @@ def recurring_masks(requests: list[Request], texts: list[str], offsets: list[np.
     return masks
 
 
-def served_mask(num_tokens: int, num_cached: int, spans: list[tuple[int, int]]) -> np.ndarray:
-    """Prompt tokens served from cache: the exact prefix and every reused span.  # [num_tokens] bool"""
+def served_mask(num_tokens: int, num_cached: int, spans: list[Any]) -> np.ndarray:
+    """Prompt tokens served from cache: the exact prefix and every reused span (`ReusedSpan`s:
+    .start, .end).  # [num_tokens] bool"""
     mask = np.zeros(num_tokens, dtype=bool)
     mask[:num_cached] = True
-    for s, e in spans:
-        mask[s:e] = True
+    for span in spans:
+        mask[span.start:span.end] = True
     return mask

@@ -175,7 +175,7 @@ def replay_policy(cfg: WorkloadBenchConfig, policy: Policy, timed: LLMEngine,
             span_search_ms=1000 * (st1.span_search_seconds - st0.span_search_seconds))
         if recurring is not None:
             mask = recurring[i]
-            served = served_mask(n, cached, [(s.start, s.end) for s in out.reused_spans])
+            served = served_mask(n, cached, out.reused_spans)
             rec.recurring_tokens, rec.recurring_served = int(mask.sum()), int((mask & served).sum())
         if rag:
             _score(rec, _decode(timed, list(out.outputs[0].token_ids)), req)
