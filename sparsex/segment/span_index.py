@@ -165,8 +165,6 @@ class SpanIndex:
         self._entries: dict[int, SpanSource] = {}                 # id(entry) -> its source
         # counters
         self.search_seconds = 0.0       # host seconds finding spans (on the TTFT path)
-        self.register_seconds = 0.0     # host seconds indexing sources (after the forward is launched)
-        self.num_searches = 0
 
     # ---- sources ----------------------------------------------------------------------------
     def _put(self, src: SpanSource, hashes: np.ndarray, offsets: np.ndarray, into: list[tuple[int, int]]) -> None:
@@ -205,14 +203,12 @@ class SpanIndex:
 
     def add_entry(self, entry) -> None:
         """Index a segment-index entry (`SegmentEntry`)."""
-        t0 = time.perf_counter()
         tokens = np.frombuffer(entry.tokens, dtype=np.int32)
         src = SpanSource("entry", entry.cache_salt, tokens, entry.start_pos, self.block_size, entry=entry,
                          anchor_refs=[[]])
         pos, hashes = anchors(tokens)
         self._put(src, hashes, pos, src.anchor_refs[0])
         self._entries[id(entry)] = src
-        self.register_seconds += time.perf_counter() - t0
 
     def remove_entry(self, entry) -> None:
         src = self._entries.pop(id(entry), None)
@@ -223,7 +219,6 @@ class SpanIndex:
                         blocks: list[KVCacheBlock]) -> None:
         """Index blocks a request just registered on the exact prefix chain: `blocks` hold positions
         [first_block * block_size, ...) of `token_ids` (the request's tokens), exact KV."""
-        t0 = time.perf_counter()
         bs = self.block_size
         a, b = first_block * bs, (first_block + len(blocks)) * bs
         # anchors are picked with the context around the run, as a prompt holding it would pick them
@@ -240,7 +235,6 @@ class SpanIndex:
             sel = which == j
             self._put(src, hashes[sel], pos[sel], src.anchor_refs[j])
             self._block_run[blocks[j].block_id] = (src, j)
-        self.register_seconds += time.perf_counter() - t0
 
     def on_evict(self, block: KVCacheBlock) -> None:
         """The pool dropped `block`'s hash (reallocated or forgotten): its KV no longer serves."""
@@ -267,7 +261,6 @@ class SpanIndex:
         `min_context_tokens` is not used at or after it (the early-encoding rule of
         `reuse_planner.too_early_for`): such a run loses its early part."""
         t0 = time.perf_counter()
-        self.num_searches += 1
         try:
             table = self._anchors.get(cache_salt)
             if not table or hi - lo < min_tokens:
