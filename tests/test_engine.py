@@ -50,6 +50,22 @@ def test_chunked_prefill_and_preemption_give_identical_output(llm_none, prompts,
     assert tiny.llm_engine.kv.pool.usage().num_in_use == 0
 
 
+def test_prompt_logprobs_cover_every_position_of_a_cached_prompt(llm_none, llm_prefix, wiki_texts):
+    """A cached position has no logits: a prompt_logprobs request reads no cache, so every position
+    gets its logprob (as with the cache off), and the next plain request still hits the cache."""
+    ids = llm_prefix.get_tokenizer().encode(wiki_texts[5][:600])
+    plain = SamplingParams(temperature=0, max_tokens=1)
+    llm_prefix.generate({"prompt_token_ids": ids}, plain, use_tqdm=False)          # now cached
+    want = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    got = llm_prefix.generate({"prompt_token_ids": ids}, want, use_tqdm=False)[0]
+    ref = llm_none.generate({"prompt_token_ids": ids}, want, use_tqdm=False)[0]
+    assert got.num_cached_tokens == 0 and got.prompt_logprobs[0] is None
+    assert all(got.prompt_logprobs[p] is not None for p in range(1, len(ids)))
+    assert max(abs(got.prompt_logprobs[p][ids[p]] - ref.prompt_logprobs[p][ids[p]]) for p in range(1, len(ids))) < 1e-4
+    assert llm_prefix.generate({"prompt_token_ids": ids}, plain, use_tqdm=False)[0].num_cached_tokens > 0
+    llm_prefix.llm_engine.check_integrity()
+
+
 def test_cache_salt_isolation(llm_prefix, wiki_texts):
     llm_prefix.reset_cache()
     text = wiki_texts[10]

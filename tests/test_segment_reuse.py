@@ -666,7 +666,7 @@ def test_merged_encodings_are_the_mean_of_exact_encodings_and_copy_on_write(llm_
     m = eng.segment_index.lookup(p1, None, count=False)
     assert m is e and m.num_encodings == 2 and m.start_pos == pos1 and eng.segment_index.owns_blocks(m)
     eng.check_integrity()
-    inv_freq = eng.runner.model.rotary.inv_freq.double()
+    inv_freq = eng.runner.model.layer_inv_freqs()[0].double()
     angle = (pos1 - pos2) * inv_freq[None, :].expand(n, -1)                  # [n, head_dim / 2]
     cos, sin = angle.cos().float(), angle.sin().float()
     merged = _entry_kv(eng, m, n)

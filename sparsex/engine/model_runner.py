@@ -28,11 +28,9 @@ from sparsex.layers.attention_backend import TorchAttentionBackend
 from sparsex.layers.attention_metadata import AttentionMetadata
 from sparsex.layers.packed_linear import prepack_supported
 from sparsex.layers.sampler import Sampler, SamplerOutput, SamplingBatch, compute_topk_logprobs, token_logprobs
-from sparsex.models.llama import LlamaForCausalLM
+from sparsex.models.decoder import DecoderForCausalLM
 from sparsex.models.loader import LoadedModel
-from sparsex.models.qwen2 import Qwen2ForCausalLM
 
-_ARCHITECTURES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}
 _LOGITS_CHUNK = 512          # rows of prompt logits materialised at once (vocab-wide)
 
 
@@ -79,7 +77,7 @@ class ModelRunner:
         cfg = loaded.config
         self.model_config = cfg
         with torch.device("meta"):
-            model = _ARCHITECTURES[cfg.architecture](cfg, max_model_len)
+            model = DecoderForCausalLM(cfg, max_model_len)
         if loaded.weights:
             model = model.to_empty(device="cpu")
             model.load_hf_weights(loaded.weights)
@@ -87,7 +85,7 @@ class ModelRunner:
         else:                                   # dummy weights: drawn on the device, in the target dtype
             model = model.to_empty(device=self.device).to(self.dtype)
             _init_random(model, config.seed)
-        model.rotary.build(self.device)         # float32 tables, rebuilt after the cast
+        model.build_rotary(self.device)         # float32 tables, rebuilt after the cast
         if prepack_supported(self.device, self.dtype):
             model.prepack_for_cpu()
         if self.device.type == "cpu":
@@ -228,7 +226,7 @@ class ModelRunner:
         ctx = ForwardContext(attn_metadata=md, kv_caches=self.kv_caches, backend=self.backend)
         blend = None
         if any(s.reuse_plan is not None for s in sched.scheduled):
-            blend = StepBlend(sched, ctx, self.model.rotary.inv_freq, self.uploader, self.layer_pointers,
+            blend = StepBlend(sched, ctx, self.model.layer_inv_freqs(), self.uploader, self.layer_pointers,
                               self.selection_generator)
         t0 = time.perf_counter()
         hidden = self.model(ids_t, md.positions, ctx)                   # [kept_rows, hidden]

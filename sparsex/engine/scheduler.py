@@ -100,13 +100,16 @@ class Scheduler:
         # 2) waiting requests, FCFS; none are admitted in a step that had to preempt
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            hits, num_hit = self.kv.get_computed_blocks(req)
+            # prompt_logprobs ask for every prompt position, and a cached position has no logits:
+            # such a request reads no cache (as in vLLM); its blocks are still cached for others
+            reads_cache = req.params.prompt_logprobs is None
+            hits, num_hit = self.kv.get_computed_blocks(req) if reads_cache else ([], 0)
             approx_hits: list = []
-            if self.segment_planner is not None and req.approx_prefix_enabled:
+            if self.segment_planner is not None and req.approx_prefix_enabled and reads_cache:
                 approx_hits = self.kv.get_approx_blocks(req, hits)
             num_approx = len(approx_hits) * self.kv.block_size
             plan = None
-            if self.segment_planner is not None and req.reuse is not None:
+            if self.segment_planner is not None and req.reuse is not None and reads_cache:
                 plan = self.segment_planner.plan(req, num_hit + num_approx)
             num_new = req.num_tokens - req.num_computed_tokens - num_hit - num_approx
             if plan is not None:

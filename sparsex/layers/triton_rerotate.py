@@ -63,27 +63,45 @@ def copy_and_rerotate_torch(
     v_flat.index_copy_(0, dst_slots, v)
 
 
+def _per_layer(inv_freq: torch.Tensor | list[torch.Tensor], num_layers: int) -> list[torch.Tensor]:
+    """One frequency tensor per layer: `inv_freq` itself for all, or the list (a layer's own base)."""
+    if isinstance(inv_freq, torch.Tensor):
+        return [inv_freq] * num_layers
+    if len(inv_freq) != num_layers:
+        raise ValueError(f"{len(inv_freq)} inv_freq tensors for {num_layers} layers")
+    return list(inv_freq)
+
+
+def _rotations(delta: torch.Tensor, inv_freqs: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`_rotation` per layer, computed once per distinct frequency tensor (layers share them)."""
+    by_id: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for f in inv_freqs:
+        if id(f) not in by_id:
+            by_id[id(f)] = _rotation(delta, f)
+    return [by_id[id(f)] for f in inv_freqs]
+
+
 def copy_and_rerotate_all_layers_torch(
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]], src_slots: torch.Tensor, dst_slots: torch.Tensor,
-    delta: torch.Tensor, inv_freq: torch.Tensor,
+    delta: torch.Tensor, inv_freq: torch.Tensor | list[torch.Tensor],
 ) -> None:
-    """`copy_and_rerotate_torch` on every layer, with the rotation angles computed once."""
-    rotation = _rotation(delta, inv_freq)
-    for k_cache, v_cache in kv_caches:
-        copy_and_rerotate_torch(k_cache, v_cache, src_slots, dst_slots, delta, inv_freq, rotation)
+    """`copy_and_rerotate_torch` on every layer, with the rotation angles computed once per distinct
+    `inv_freq` (one tensor for all layers, or a list: each layer's own, e.g. Gemma 3's two bases)."""
+    inv_freqs = _per_layer(inv_freq, len(kv_caches))
+    for (k_cache, v_cache), f, rotation in zip(kv_caches, inv_freqs, _rotations(delta, inv_freqs)):
+        copy_and_rerotate_torch(k_cache, v_cache, src_slots, dst_slots, delta, f, rotation)
 
 
 def merge_rerotated_all_layers_torch(
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]], src_slots: torch.Tensor, mean_slots: torch.Tensor,
-    dst_slots: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, weight: float,
+    dst_slots: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor | list[torch.Tensor], weight: float,
 ) -> None:
     """Every layer: dst <- (1 - weight) * mean + weight * src, src's keys re-rotated by `delta` first
     (in float32). Folds another encoding of a segment into an index entry's running mean
     (segment/segment_registrar.py, "merged encodings"): `mean_slots` hold the mean now, `dst_slots` get the new
     one (the same slots, or an entry's fresh blocks on copy-on-write: one pass, no separate copy);
-    `src_slots` must not overlap `dst_slots`."""
-    rotation = _rotation(delta, inv_freq)
-    for k_cache, v_cache in kv_caches:
+    `src_slots` must not overlap `dst_slots`. `inv_freq`: as in `copy_and_rerotate_all_layers_torch`."""
+    for (k_cache, v_cache), rotation in zip(kv_caches, _rotations(delta, _per_layer(inv_freq, len(kv_caches)))):
         k_flat = k_cache.view(-1, *k_cache.shape[2:])                     # [slots, kv_heads, D]
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
         k = _rerotated(k_flat.index_select(0, src_slots).float(), rotation)   # [n, kv_heads, D]

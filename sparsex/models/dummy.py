@@ -93,7 +93,7 @@ def dummy_config(shape: str) -> ModelConfig:
 def random_weights(
     config: ModelConfig, *, dtype: torch.dtype, seed: int, device: str | torch.device = "cpu"
 ) -> dict[str, torch.Tensor]:
-    """N(0, 0.02) projections/embeddings/biases and unit norms, deterministic in `seed` (per device).
+    """N(0, 0.02) projections/embeddings/biases and unit norms (effective: Gemma's stored w is 0), deterministic in `seed` (per device).
 
     Generated directly in `dtype` on `device` (no float32 CPU staging copy): an 8B model in
     bfloat16 is 16 GB, in float32 32 GB, more than a 24 GB CPU host holds.
@@ -102,7 +102,7 @@ def random_weights(
     weights: dict[str, torch.Tensor] = {}
     for name, shape in param_shapes(config).items():   # fixed order => reproducible stream
         if is_norm_weight(name):
-            weights[name] = torch.ones(shape, dtype=dtype, device=device)
+            weights[name] = torch.full(shape, 1.0 - config.norm_weight_offset, dtype=dtype, device=device)
         else:
             weights[name] = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
     return weights

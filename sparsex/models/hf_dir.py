@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from sparsex.models.model_config import ModelConfig
+from sparsex.models.moe import detect_moe_layout
 from sparsex.models.shapes import param_shapes
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ def _load_tensors(path: str) -> dict[str, torch.Tensor]:
 
 def _select_weights(path: str, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Keep exactly the expected parameters (validated by shape), cast to `dtype`."""
-    expected = param_shapes(config)
+    expected = param_shapes(config, detect_moe_layout(tensors))
     weights: dict[str, torch.Tensor] = {}
     for name, shape in expected.items():
         if name not in tensors:

@@ -95,7 +95,7 @@ class SegmentRegistrar:
             src_t, mean_t, dst_t, delta_t = self.runner.uploader.upload(
                 [src, mean, slots(dst_blocks, rows, first), np.full_like(src, entry.start_pos - span.start)])
             merge_rerotated_all_layers_torch(self.runner.kv_caches, src_t, mean_t, dst_t, delta_t,
-                                             self.runner.model.rotary.inv_freq, 1.0 / (entry.num_encodings + 1))
+                                             self.runner.model.layer_inv_freqs(), 1.0 / (entry.num_encodings + 1))
 
         if self.index.owns_blocks(entry):
             fold(entry.blocks)

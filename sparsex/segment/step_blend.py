@@ -104,30 +104,36 @@ class LayerPointerCache:
     (building one uploads it, which waits for the GPU); dropped if the cache list is replaced."""
 
     def __init__(self):
-        self._pointers: dict[int, LayerPointers] = {}
+        self._groups: dict[int, list[tuple[LayerPointers, torch.Tensor]]] = {}
         self._caches: list | None = None
 
-    def get(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], first_layer: int) -> LayerPointers:
-        """The address tables of `kv_caches[first_layer:]`."""
+    def groups(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], first_layer: int,
+               inv_freqs: list[torch.Tensor]) -> list[tuple[LayerPointers, torch.Tensor]]:
+        """The address tables of `kv_caches[first_layer:]`, one per RoPE base those layers use (one
+        kernel launch each: a single one for most models, two for Gemma 3's sliding/global layers)."""
         if kv_caches is not self._caches:
-            self._pointers, self._caches = {}, kv_caches
-        if first_layer not in self._pointers:
-            self._pointers[first_layer] = LayerPointers(kv_caches[first_layer:])
-        return self._pointers[first_layer]
+            self._groups, self._caches = {}, kv_caches
+        if first_layer not in self._groups:
+            by_freq: dict[int, list[int]] = {}
+            for layer in range(first_layer, len(kv_caches)):
+                by_freq.setdefault(id(inv_freqs[layer]), []).append(layer)
+            self._groups[first_layer] = [(LayerPointers([kv_caches[i] for i in layers]), inv_freqs[layers[0]])
+                                         for layers in by_freq.values()]
+        return self._groups[first_layer]
 
 
 class StepBlend:
     """The blended sequences of one step: built by the model runner before the forward, called
     from inside it (copy, probe, select), read after it (`results`)."""
 
-    def __init__(self, sched, ctx: ForwardContext, inv_freq: torch.Tensor, uploader,
+    def __init__(self, sched, ctx: ForwardContext, inv_freqs: list[torch.Tensor], uploader,
                  pointers: LayerPointerCache, generator: torch.Generator):
         """Install the probe, the row selector (this object) and the copy hook on `ctx`. The copy
         plan itself is built and launched from inside the forward, just before the first selection
         layer (`_copy_reused`; on the GPU the host builds it while the layers below run). Only layers
         whose copies are read are copied: the selection layer stores every row's fresh K/V over
         them, so it needs its copies only where the probe compares the two."""
-        self.inv_freq = inv_freq                 # [head_dim / 2] float32, the model's RoPE frequencies
+        self.inv_freqs = inv_freqs               # per layer [rotary_dim / 2] float32, the model's RoPE frequencies
         self.uploader = uploader                 # the runner's PinnedUploader: one pinned upload a step
         self.pointers = pointers
         self._gen = generator                    # the `random` selector's draws (long-lived: seeded once)
@@ -204,9 +210,11 @@ class StepBlend:
                                         query_rows=query_t[qcol:qcol + len(query_rows)]))
             qcol += len(query_rows)
         if dev.type == "cuda":
-            copy_and_rerotate_layers(self.pointers.get(ctx.kv_caches, first_layer), src_t, dst_t, delta_t, self.inv_freq)
+            for pointers, inv_freq in self.pointers.groups(ctx.kv_caches, first_layer, self.inv_freqs):
+                copy_and_rerotate_layers(pointers, src_t, dst_t, delta_t, inv_freq)
         else:
-            copy_and_rerotate_all_layers_torch(ctx.kv_caches[first_layer:], src_t, dst_t, delta_t, self.inv_freq)
+            copy_and_rerotate_all_layers_torch(ctx.kv_caches[first_layer:], src_t, dst_t, delta_t,
+                                               self.inv_freqs[first_layer:])
         self.copy_seconds += time.perf_counter() - t0
 
     @staticmethod
