@@ -141,34 +141,20 @@ def make_llm(cache: str, kv_gib: float, share_from: LLM | None = None) -> LLM:
 
 
 def hf_from_ours(model, cfg) -> torch.nn.Module:
-    """transformers' LlamaForCausalLM whose parameters are views of ours (no second copy)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """transformers' model of the same family whose parameters are views of ours (no second copy;
+    `DecoderForCausalLM.hf_state_dict`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from sparsex.models import dummy
 
-    hcfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                       num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-                       num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-                       rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling, max_position_embeddings=131072,
-                       tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=False,
-                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    spec = dict(dummy.DUMMY_SHAPES[dummy.dummy_shape_of(MODEL)])
+    hcfg = AutoConfig.for_model(spec.pop("model_type"), **spec, pad_token_id=0)
     hcfg._attn_implementation = "sdpa"
     with torch.device("meta"):
-        hf = LlamaForCausalLM(hcfg)
-    q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
-    sd = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight,
-          "lm_head.weight": model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight}
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        w = layer.self_attn.qkv_proj.weight
-        sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"], sd[p + "self_attn.v_proj.weight"] = \
-            w[:q], w[q:q + kv], w[q + kv:]
-        sd[p + "self_attn.o_proj.weight"] = layer.self_attn.o_proj.weight
-        gu = layer.mlp.gate_up_proj.weight
-        sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"] = gu[:inter], gu[inter:]
-        sd[p + "mlp.down_proj.weight"] = layer.mlp.down_proj.weight
-        sd[p + "input_layernorm.weight"] = layer.input_layernorm.weight
-        sd[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
-    hf.load_state_dict(sd, strict=True, assign=True)
+        hf = AutoModelForCausalLM.from_config(hcfg)
+    hf.load_state_dict(model.hf_state_dict(), strict=True, assign=True)
     hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hcfg).to(DEV)
+    if hasattr(hf.model, "embed_tokens") and hasattr(hf.model.embed_tokens, "embed_scale"):
+        hf.model.embed_tokens.embed_scale = torch.tensor(cfg.embedding_multiplier, device=DEV)   # Gemma's buffer
     assert not any(t.is_meta for t in list(hf.parameters()) + list(hf.buffers())), "meta tensors left in the HF model"
     return hf.eval()
 
@@ -287,7 +273,7 @@ def section_prefill(llm: LLM, hf, ceil: dict) -> None:
                     "rel_err_vs_sdpa_diag": err_diag})
         log(f"prefill {n}: ours {t_ours:.1f} ms, hf {t_hf:.1f} ms, ours+sdpa {t_sdpa:.1f} ms, err {err:.1e} "
             f"(ours vs ours-with-SDPA-attention {err_diag:.1e})")
-    table("Full prefill, one sequence (random weights, Llama-3-8B shape, bf16)",
+    table(f"Full prefill, one sequence (random weights, {MODEL} shape, bf16)",
           ["tokens", "SparseX forward (Triton)", "transformers SDPA", "ours / HF", "MFU ours", "MFU HF",
            "diag: ours with SDPA attention", "rel. err. last logits"], rows)
     # where the time goes at 8k
@@ -413,7 +399,7 @@ def section_decode(llm: LLM, hf, ceil: dict) -> None:
                     "floor_tok_s": floor_tok_s, "step_gb": step_bytes / 1e9})
         log(f"decode b{batch}: {out[-1]}")
     gen_b1 = _hf_generate_b1(hf, ctx_len, 17)
-    table("Decode, 2k context (random weights, Llama-3-8B shape, bf16; tokens/s over all sequences)",
+    table(f"Decode, 2k context (random weights, {MODEL} shape, bf16; tokens/s over all sequences)",
           ["batch", "SparseX + CUDA graphs", "SparseX eager", "transformers step loop", "graphs / HF",
            "HBM floor", "fraction of floor"], rows)
     log(f"\ntransformers `generate` at batch 1 (2k prompt, its prefill subtracted): {gen_b1:.1f} tok/s")
@@ -480,7 +466,7 @@ def section_decode_profile(llm: LLM, ceil: dict) -> None:
         out.append({"batch": batch, "step_ms": step_ms, "execute_ms": exec_ms, "replay_gpu_ms": replay_ms,
                     "floor_ms": floor_ms, "split_ms": split})
         log(f"decode profile b{batch}: {out[-1]}")
-    table("Graphed decode step, 2k context: where the time goes (random weights, Llama-3-8B shape, bf16)",
+    table(f"Graphed decode step, 2k context: where the time goes (random weights, {MODEL} shape, bf16)",
           ["batch", "engine step ms (wall)", "runner.execute ms", "engine outside runner ms", "graph replay GPU ms",
            "HBM floor ms", "replay kernels: gemm / attention / kv store / other ms"], rows)
     RESULTS["decode_profile"] = out
@@ -691,7 +677,7 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM,
             log(f"blend {k} {label}: {out[-1]}")
     timer.close()
     table("Blended prefill TTFT, passages cached in another order (random weights + random token ids, "
-          "Llama-3-8B shape, bf16; cache=sparsex, knobs per row: default = the engine's ReuseConfig())",
+          f"{MODEL} shape, bf16; cache=sparsex, knobs per row: default = the engine's ReuseConfig())",
           ["prompt tokens", "knobs", "none ms", "prefix ms", "sparsex ms", "sparsex / none",
            "back to back: none / sparsex ms / ratio", f"idle start ({IDLE_S} s): none / sparsex ms / ratio",
            "token-layer share",
@@ -745,7 +731,7 @@ def section_spans(llm_none: LLM, llm_sx: LLM) -> None:
             out.append({"passages": k, "tokens": n_tok, "form": form, "ttft_ms": med, "search_ms": search,
                         "reused_sources": found, "anchors": span_index.num_anchors()})
             log(f"spans {k} {form}: {out[-1]}")
-    table("Span search on the TTFT path (random weights + random token ids, Llama-3-8B shape, bf16; "
+    table(f"Span search on the TTFT path (random weights + random token ids, {MODEL} shape, bf16; "
           "cache=sparsex defaults, transparent_segments on)",
           ["prompt tokens", "prompt form", "none ms", "sparsex ms", "sparsex / none", "span search ms",
            "share of sparsex TTFT", "reused tokens (sources)", "anchors indexed"], rows)
@@ -951,10 +937,15 @@ def _dry_run_setup() -> None:
     """CPU smoke run of this script's own code (tiny random model, tiny sizes, fake CUDA events)."""
     global DEV, MODEL, MAX_LEN
     from sparsex.models import dummy
-    shape = dict(dummy.DUMMY_SHAPES["llama3-8b"], hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+    base = dummy.dummy_shape_of(MODEL)
+    shape = dict(dummy.DUMMY_SHAPES[base], hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=49152)
-    dummy.DUMMY_SHAPES["tiny-llama3"] = shape
-    DEV, MODEL, MAX_LEN = torch.device("cpu"), "dummy:tiny-llama3", 1024
+    if "layer_types" in shape:
+        shape.update(layer_types=shape["layer_types"][2:6], sliding_window=48)
+    if "num_experts" in shape:
+        shape.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+    dummy.DUMMY_SHAPES[f"tiny-{base}"] = shape
+    DEV, MODEL, MAX_LEN = torch.device("cpu"), f"dummy:tiny-{base}", 1024
     SIZES.update(prefill=((64, 1, 2), (128, 1, 1)), profile=64, decode_batches=(1, 3), decode_ctx=40,
                  passages=(4, 5), passage_len=64, span_passages=(5,))   # >= min_blend_tokens hit tokens: the dry run blends
 
@@ -988,11 +979,14 @@ def _parse_variants(text: str) -> list[tuple[str, dict]]:
 
 
 def main() -> None:
-    global OUT, GC_FREEZE
+    global OUT, GC_FREEZE, MODEL
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default="ceil,prefill,decode,blend")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--dry-run", action="store_true", help="CPU smoke run of the script (tiny model)")
+    ap.add_argument("--model", default=MODEL,
+                    help="dummy:<shape> whose random weights the speed sections run, e.g. dummy:qwen3-8b, "
+                         "dummy:gemma3-12b, dummy:qwen3-30b-a3b (models/dummy.py lists the shapes)")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="move every object alive after the engines are built out of the cyclic GC's reach "
                          "(gc.freeze), so a collection walks only what requests allocate")
@@ -1003,6 +997,7 @@ def main() -> None:
                     help="blend section: passages per prompt, e.g. '16' or '16,64' (default: 8,16,32,64)")
     args = ap.parse_args()
     GC_FREEZE = args.gc_freeze
+    MODEL = args.model
     if args.passages:
         SIZES["passages"] = tuple(int(x) for x in args.passages.split(","))
     if args.dry_run:

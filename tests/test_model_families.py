@@ -259,3 +259,20 @@ def test_unsupported_configs_fail_naming_the_field(change, message):
             "num_attention_heads": 4, "num_key_value_heads": 2}
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         ModelConfig.from_hf_config({**base, **change})
+
+
+def test_hf_state_dict_round_trips_into_transformers(family, prompts):
+    """What the GPU benchmark hands transformers (views of our weights) is the model it loaded: the
+    same logits as the checkpoint's own transformers model."""
+    import transformers
+    name, path, ref, _ = family
+    from sparsex.models.decoder import DecoderForCausalLM
+    from sparsex.models.loader import load_model
+    loaded = load_model(path)
+    ours = DecoderForCausalLM(loaded.config, 2048)
+    ours.load_hf_weights(loaded.weights)
+    hf = type(ref)(ref.config)
+    hf.load_state_dict(ours.hf_state_dict(), strict=True)
+    ids = torch.tensor([prompts[1]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)

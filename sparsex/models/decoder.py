@@ -287,3 +287,56 @@ class DecoderForCausalLM(nn.Module):
         unused = set(weights) - used - {"lm_head.weight"}
         if unused:
             raise ValueError(f"checkpoint has tensors the model does not use: {sorted(unused)[:5]}")
+
+    @torch.no_grad()
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The inverse of `load_hf_weights`, in transformers' in-memory names (experts stacked as
+        `mlp.experts.gate_up_proj` / `down_proj`, Phi-3's projections fused): views of our tensors
+        where the layout allows, copies only of offset norms. Lets a benchmark run transformers on
+        our weights without a second copy of the model. Needs the plain weights (not prepacked)."""
+        cfg = self.config
+        if self.packed_lm_head is not None:
+            raise ValueError("hf_state_dict needs the plain weights; this model was prepacked for the CPU")
+        q, kv, inter = self.layers[0].self_attn.q_size, self.layers[0].self_attn.kv_size, cfg.intermediate_size
+        fused = cfg.architecture == "phi3"
+
+        def norm(w: torch.Tensor) -> torch.Tensor:
+            return (w.float() - cfg.norm_weight_offset).to(w.dtype) if cfg.norm_weight_offset else w
+
+        sd = {"model.embed_tokens.weight": self.embed_tokens.weight, "model.norm.weight": norm(self.norm.weight)}
+        # a tied model's state dict names the shared tensor twice
+        sd["lm_head.weight"] = self.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight
+        for i, layer in enumerate(self.layers):
+            p, attn = f"model.layers.{i}.", layer.self_attn
+            w = attn.qkv_proj.weight
+            if fused:
+                sd[p + "self_attn.qkv_proj.weight"] = w
+            else:
+                for name, rows in zip("qkv", (w[:q], w[q:q + kv], w[q + kv:])):
+                    sd[p + f"self_attn.{name}_proj.weight"] = rows
+            if cfg.attention_bias:
+                b = attn.qkv_proj.bias
+                for name, rows in zip("qkv", (b[:q], b[q:q + kv], b[q + kv:])):
+                    sd[p + f"self_attn.{name}_proj.bias"] = rows
+            sd[p + "self_attn.o_proj.weight"] = attn.o_proj.weight
+            if attn.q_norm is not None:
+                sd[p + "self_attn.q_norm.weight"] = norm(attn.q_norm.weight)
+                sd[p + "self_attn.k_norm.weight"] = norm(attn.k_norm.weight)
+            mlp = layer.mlp
+            if isinstance(mlp, SparseMoeBlock):
+                sd[p + "mlp.gate.weight"] = mlp.gate.weight
+                sd[p + "mlp.experts.gate_up_proj"] = mlp.w_gate_up
+                sd[p + "mlp.experts.down_proj"] = mlp.w_down
+            elif fused:
+                sd[p + "mlp.gate_up_proj.weight"] = mlp.gate_up_proj.weight
+                sd[p + "mlp.down_proj.weight"] = mlp.down_proj.weight
+            else:
+                gu = mlp.gate_up_proj.weight
+                sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"] = gu[:inter], gu[inter:]
+                sd[p + "mlp.down_proj.weight"] = mlp.down_proj.weight
+            norms = ["input_layernorm", "post_attention_layernorm"]
+            if cfg.sandwich_norms:
+                norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+            for name in norms:
+                sd[p + f"{name}.weight"] = norm(getattr(layer, name).weight)
+        return sd
