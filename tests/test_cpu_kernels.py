@@ -2,7 +2,8 @@
 
 The references are the torch code the kernels replace: RMSNorm._norm and the residual add,
 rotary_embedding.rotate, F.silu(gate) * up, index_copy_ into the cache, and for attention an
-exact float64 softmax per row.
+exact float64 softmax per row (with the sliding window and logit softcapping of Mistral / Gemma
+layers where given: the full score matrix capped and masked, as transformers computes it).
 Inputs are random and never zero. Elementwise kernels round like the torch code does: RoPE is
 bit-identical; RMSNorm and SiLU may differ by one bfloat16 ulp on a few elements (the float32 sum
 of squares is accumulated in another order; exp is a different polynomial).
@@ -59,8 +60,20 @@ def ulp_close(out: torch.Tensor, ref: torch.Tensor, max_ulps: int = 1, min_equal
 # ---------------------------------------------------------------------------------- decode attention
 
 
-def attention_reference(query, k_cache, v_cache, block_tables, positions, scale) -> torch.Tensor:
-    """float64 softmax(q k^T * scale) v per row over keys 0..positions[s]: [S, H, D]."""
+def capped_and_masked(att: torch.Tensor, key_pos: torch.Tensor, row_pos: torch.Tensor, window, cap) -> torch.Tensor:
+    """Scaled scores [..., keys] softcapped (cap * tanh(att / cap)), then -inf at keys past the row's
+    position or, with a window, at or before position - window (transformers' sliding_window_causal)."""
+    if cap is not None:
+        att = cap * torch.tanh(att / cap)
+    hidden = key_pos > row_pos
+    if window is not None:
+        hidden |= key_pos <= row_pos - window
+    return att.masked_fill(hidden, float("-inf"))
+
+
+def attention_reference(query, k_cache, v_cache, block_tables, positions, scale, window=None, cap=None) -> torch.Tensor:
+    """float64 softmax(q k^T * scale) v per row over keys 0..positions[s] (the last `window` of them;
+    scores softcapped at `cap`): [S, H, D]."""
     S, H, D = query.shape
     _, bs, kvh, _ = k_cache.shape
     out = torch.empty(S, H, D, dtype=torch.float64)
@@ -70,6 +83,7 @@ def attention_reference(query, k_cache, v_cache, block_tables, positions, scale)
         k = k_cache.reshape(-1, kvh, D)[slots].double().repeat_interleave(H // kvh, dim=1)   # [n, H, D]
         v = v_cache.reshape(-1, kvh, D)[slots].double().repeat_interleave(H // kvh, dim=1)
         att = torch.einsum("hd,nhd->hn", query[s].double(), k) * scale
+        att = capped_and_masked(att, p[None, :], positions[s], window, cap)
         out[s] = torch.einsum("hn,nhd->hd", att.softmax(-1), v)
     return out
 
@@ -124,6 +138,52 @@ def test_decode_attention_every_head_dim_and_strided_query(kernels, head_dim):
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
 
 
+# a single key, within a block (block sizes 16 and 8), exactly a block, across blocks, and longer than
+# every sequence; alone, with a softcap, and a softcap alone
+WINDOW_CAP = [(1, None), (7, None), (16, None), (40, None), (1000, None), (7, 2.0), (40, 2.0), (None, 2.0)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3)])
+@pytest.mark.parametrize("block_size", [16, 8])
+@pytest.mark.parametrize("window,cap", WINDOW_CAP)
+def test_decode_attention_window_and_softcap_match_reference(kernels, dtype, num_heads, num_kv_heads, block_size,
+                                                             window, cap):
+    gen = torch.Generator().manual_seed(num_heads + block_size)
+    seq_lens = [1, 15, 16, 17, 333, 40]
+    query, k_cache, v_cache, tables = paged_inputs(seq_lens, num_heads, num_kv_heads, 64, block_size, dtype, gen)
+    positions = torch.tensor(seq_lens) - 1
+    positions[-1] = 22
+    out = kernels.decode_attention(query, k_cache, v_cache, tables, positions, 0.125, window, cap)
+    ref = attention_reference(query, k_cache, v_cache, tables, positions, 0.125, window, cap)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+    else:
+        torch.testing.assert_close(out.double(), ref, rtol=2.0 ** -8, atol=1e-5)
+    if window is not None and window >= max(seq_lens):    # hides nothing: the plain kernel, bit for bit
+        assert torch.equal(out, kernels.decode_attention(query, k_cache, v_cache, tables, positions, 0.125,
+                                                         logits_soft_cap=cap))
+
+
+def test_softcap_tanh_is_accurate(kernels):
+    """The kernels' vectorised tanh (a polynomial below |x| = 0.625, exp above) from 0 to saturation.
+    Each row sees two keys, scoring 3x and 0, with values 1 and 0: the output is the softmax weight
+    of the first, sigmoid(3 tanh(x)) with the cap at 3."""
+    gen = torch.Generator().manual_seed(11)
+    _, k_cache, v_cache, tables = paged_inputs([2], 1, 1, 16, 16, torch.float32, gen)
+    k_cache[:, 1] = 0.0                                   # key 1 scores 0: softmax weight of key 0 = sigmoid(capped)
+    v_cache[:, 0], v_cache[:, 1] = 1.0, 0.0
+    k_cache[tables[0, 0], 0] = 0.0
+    k_cache[tables[0, 0], 0, 0, 0] = 1.0
+    x = torch.cat([torch.linspace(-12, 12, 241), torch.tensor([1e-6, -1e-4, 0.3, 0.6249, 0.6251, 8.99, 9.01])])
+    query = torch.zeros(x.numel(), 1, 16)
+    query[:, 0, 0] = x * 3.0                              # scores = 3x with the cap at 3: capped = 3 tanh(x)
+    positions = torch.ones(x.numel(), dtype=torch.int64)
+    out = kernels.decode_attention(query, k_cache, v_cache, tables.expand(x.numel(), -1).contiguous(), positions,
+                                   1.0, logits_soft_cap=3.0)
+    torch.testing.assert_close(out[:, 0, 0].double(), torch.sigmoid(3 * torch.tanh(x.double())), rtol=1e-6, atol=1e-7)
+
+
 def _decode_metadata(seq_lens: list[int], tables: torch.Tensor) -> AttentionMetadata:
     S = len(seq_lens)
     return AttentionMetadata(
@@ -134,18 +194,23 @@ def _decode_metadata(seq_lens: list[int], tables: torch.Tensor) -> AttentionMeta
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_backend_decode_step_native_vs_gathered_sdpa(kernels, monkeypatch, dtype):
-    """The backend's two single-row paths (native kernel, gathered float32 SDPA) agree."""
+@pytest.mark.parametrize("window,cap", [(None, None), (50, None), (None, 30.0), (20, 5.0)])
+def test_backend_decode_step_native_vs_gathered_sdpa(kernels, monkeypatch, dtype, window, cap):
+    """The backend's two single-row paths (native kernel, gathered float32 SDPA or, softcapped,
+    explicit scores) agree."""
     gen = torch.Generator().manual_seed(3)
     seq_lens = [300, 17, 1, 64]
     query, k_cache, v_cache, tables = paged_inputs(seq_lens, 9, 3, 64, 16, dtype, gen)
+    kw = dict(sliding_window=window, logits_soft_cap=cap)
+    plan_of = lambda m: (m.backend_plan if window is None and cap is None
+                         else m.variant_plans[(window, cap is not None)])
     md = _decode_metadata(seq_lens, tables)
-    out = ab.TorchAttentionBackend.attention(query, k_cache, v_cache, md, 0.125)
-    assert isinstance(md.backend_plan.single, ab._SingleRowBatch)
+    out = ab.TorchAttentionBackend.attention(query, k_cache, v_cache, md, 0.125, **kw)
+    assert isinstance(plan_of(md).single, ab._SingleRowBatch)
     monkeypatch.setattr(cpu_kernels, "native", lambda: None)
     md_ref = _decode_metadata(seq_lens, tables)
-    ref = ab.TorchAttentionBackend.attention(query, k_cache, v_cache, md_ref, 0.125)
-    assert isinstance(md_ref.backend_plan.single, ab._GatheredSingleRowBatch)
+    ref = ab.TorchAttentionBackend.attention(query, k_cache, v_cache, md_ref, 0.125, **kw)
+    assert isinstance(plan_of(md_ref).single, ab._GatheredSingleRowBatch)
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     else:
@@ -172,13 +237,26 @@ def test_decode_attention_rejects_bad_inputs(kernels):
     bad[0, 1] = k_cache.shape[0]
     with pytest.raises(ValueError, match="not a block of the cache"):
         kernels.decode_attention(query, k_cache, v_cache, bad, pos, 1.0)
+    with pytest.raises(ValueError, match="sliding_window"):
+        kernels.decode_attention(query, k_cache, v_cache, tables, pos, 1.0, sliding_window=-1)
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        kernels.decode_attention(query, k_cache, v_cache, tables, pos, 1.0, logits_soft_cap=-2.0)
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        kernels.decode_attention(query, k_cache, v_cache, tables, pos, 1.0, logits_soft_cap=float("inf"))
+    # with a window only the blocks it reads must be valid: keys 17..19 lie in block 1
+    before = tables.clone()
+    before[0, 0] = -1
+    out = kernels.decode_attention(query, k_cache, v_cache, before, pos, 1.0, sliding_window=3)
+    assert torch.isfinite(out).all()
 
 
 # ---------------------------------------------------------------------------------- multi-row attention
 
 
-def multi_row_reference(query, k_cache, v_cache, block_tables, query_start, positions, scale) -> torch.Tensor:
-    """float64 softmax(q k^T * scale) v of row t of sequence s over keys 0..positions[t]: [T, H, D]."""
+def multi_row_reference(query, k_cache, v_cache, block_tables, query_start, positions, scale, window=None,
+                        cap=None) -> torch.Tensor:
+    """float64 softmax(q k^T * scale) v of row t of sequence s over keys 0..positions[t] (the last
+    `window` of them; scores softcapped at `cap`), from the full score matrix: [T, H, D]."""
     T, H, D = query.shape
     _, bs, kvh, _ = k_cache.shape
     out = torch.empty(T, H, D, dtype=torch.float64)
@@ -192,7 +270,7 @@ def multi_row_reference(query, k_cache, v_cache, block_tables, query_start, posi
         k = k_cache.reshape(-1, kvh, D)[slots].double().repeat_interleave(H // kvh, dim=1)   # [n, H, D]
         v = v_cache.reshape(-1, kvh, D)[slots].double().repeat_interleave(H // kvh, dim=1)
         att = torch.einsum("thd,nhd->thn", query[t0:t1].double(), k) * scale                 # [rows, H, n]
-        att = att.masked_fill(p[None, None, :] > pos[:, None, None], float("-inf"))
+        att = capped_and_masked(att, p[None, None, :], pos[:, None, None], window, cap)
         out[t0:t1] = torch.einsum("thn,nhd->thd", att.softmax(-1), v)
     return out
 
@@ -232,6 +310,71 @@ def test_multi_row_attention_matches_reference(kernels, dtype, num_heads, num_kv
         torch.testing.assert_close(out.double(), ref, rtol=2.0 ** -7, atol=5e-3)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3)])
+@pytest.mark.parametrize("kind", ["prefill", "cached_prefix", "sparse"])
+# windows of one key, within a 64-key block, one block, across blocks, as long as the longest
+# sequence (150) and longer
+@pytest.mark.parametrize("window,cap", [(1, None), (7, None), (64, None), (100, None), (150, None), (1000, None),
+                                        (7, 2.0), (100, 2.0), (None, 2.0)])
+def test_multi_row_attention_window_and_softcap_match_reference(kernels, dtype, num_heads, num_kv_heads, kind,
+                                                                window, cap):
+    gen = torch.Generator().manual_seed(num_heads + len(kind))
+    seq_lens, rows = multi_row_case(kind, gen)
+    _, k_cache, v_cache, tables = paged_inputs(seq_lens, num_heads, num_kv_heads, 64, 16, dtype, gen)
+    positions = torch.cat(rows)
+    query_start = torch.tensor([0] + [len(r) for r in rows]).cumsum(0)
+    query = nonzero_randn(positions.numel(), num_heads, 64, gen=gen, dtype=dtype)
+    out = kernels.multi_row_attention(query, k_cache, v_cache, tables, query_start, positions, 0.125, window, cap)
+    ref = multi_row_reference(query, k_cache, v_cache, tables, query_start, positions, 0.125, window, cap)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+    else:
+        torch.testing.assert_close(out.double(), ref, rtol=2.0 ** -7, atol=5e-3)
+    if window is not None and window >= max(seq_lens):    # hides nothing: the plain kernel, bit for bit
+        assert torch.equal(out, kernels.multi_row_attention(query, k_cache, v_cache, tables, query_start, positions,
+                                                            0.125, logits_soft_cap=cap))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cap", [None, 2.0])
+def test_window_skips_the_keys_outside_it(kernels, dtype, cap):
+    """Keys outside every row's window are not read, only masked keys near it (a long prompt on a
+    sliding layer costs O(window) per row): NaN in them leaves the output exact. The decode kernel
+    starts at the row's first key; the multi-row kernel at the 64-key block holding its tile's first
+    key, and skips the blocks between sparse rows' windows."""
+    gen = torch.Generator().manual_seed(12)
+    seq_lens, window = [400, 300], 20
+    query, k_cache, v_cache, tables = paged_inputs(seq_lens, 9, 3, 64, 16, dtype, gen)
+    rows = [torch.arange(380, 400), torch.tensor([40, 100, 299])]   # one tile (32 rows) each
+    positions = torch.cat(rows)
+    query_start = torch.tensor([0, 20, 23])
+    mq = nonzero_randn(23, 9, 64, gen=gen, dtype=dtype)
+    decode_pos = torch.tensor([399, 299])
+    ref_decode = attention_reference(query, k_cache, v_cache, tables, decode_pos, 0.125, window, cap)
+    ref_multi = multi_row_reference(mq, k_cache, v_cache, tables, query_start, positions, 0.125, window, cap)
+
+    def poison(unread: list[range]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the caches with NaN K and V at the key positions `unread[s]` of sequence s."""
+        k, v = k_cache.clone(), v_cache.clone()
+        for s, keys in enumerate(unread):
+            p = torch.tensor(list(keys), dtype=torch.int64)
+            k[tables[s, p // 16].long(), p % 16] = float("nan")
+            v[tables[s, p // 16].long(), p % 16] = float("nan")
+        return k, v
+
+    k, v = poison([range(399 + 1 - window), range(299 + 1 - window)])
+    out = kernels.decode_attention(query, k, v, tables, decode_pos, 0.125, window, cap)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2.0 ** -8, atol=1e-5)
+    torch.testing.assert_close(out.double(), ref_decode, **tol)
+    # sequence 0: from block 320 (holding key 361) on; sequence 1: blocks 0, 64 and 256 (its rows see
+    # keys 21..40, 81..100, 280..299)
+    k, v = poison([range(320), range(128, 256)])
+    out = kernels.multi_row_attention(mq, k, v, tables, query_start, positions, 0.125, window, cap)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2.0 ** -7, atol=5e-3)
+    torch.testing.assert_close(out.double(), ref_multi, **tol)
+
+
 @pytest.mark.parametrize("head_dim", cpu_kernels.ATTENTION_HEAD_DIMS)
 def test_multi_row_attention_every_head_dim_and_strided_query(kernels, head_dim):
     gen = torch.Generator().manual_seed(head_dim)
@@ -257,7 +400,8 @@ def _multi_row_metadata(seq_lens: list[int], rows: list[torch.Tensor], tables: t
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_backend_multi_row_native_vs_gemm(kernels, monkeypatch, dtype):
+@pytest.mark.parametrize("window,cap", [(None, None), (50, None), (None, 30.0), (20, 5.0)])
+def test_backend_multi_row_native_vs_gemm(kernels, monkeypatch, dtype, window, cap):
     """The backend's multi-row paths (native kernel, GEMM row chunks) agree, with one-row sequences mixed in.
     The native kernel is forced: on a CPU without AVX-512 the backend would not choose it."""
     monkeypatch.setattr(cpu_kernels, "multi_row_preferred", lambda: True)
@@ -266,13 +410,16 @@ def test_backend_multi_row_native_vs_gemm(kernels, monkeypatch, dtype):
     _, k_cache, v_cache, tables = paged_inputs(seq_lens, 9, 3, 64, 16, dtype, gen)
     rows = [torch.arange(300), torch.tensor([16]), torch.tensor([3, 9, 20, 39]), torch.tensor([63])]
     query = nonzero_randn(sum(len(r) for r in rows), 9, 64, gen=gen, dtype=dtype)
+    kw = dict(sliding_window=window, logits_soft_cap=cap)
+    plan_of = lambda m: (m.backend_plan if window is None and cap is None
+                         else m.variant_plans[(window, cap is not None)])
     md = _multi_row_metadata(seq_lens, rows, tables)
-    out = ab.TorchAttentionBackend.attention(query, k_cache, v_cache, md, 0.125)
-    assert isinstance(md.backend_plan.multi, ab._NativeMultiRowBatch)
+    out = ab.TorchAttentionBackend.attention(query, k_cache, v_cache, md, 0.125, **kw)
+    assert isinstance(plan_of(md).multi, ab._NativeMultiRowBatch)
     monkeypatch.setattr(cpu_kernels, "native", lambda: None)
     md_ref = _multi_row_metadata(seq_lens, rows, tables)
-    ref = ab.TorchAttentionBackend.attention(query, k_cache, v_cache, md_ref, 0.125)
-    assert isinstance(md_ref.backend_plan.multi, list)
+    ref = ab.TorchAttentionBackend.attention(query, k_cache, v_cache, md_ref, 0.125, **kw)
+    assert isinstance(plan_of(md_ref).multi, list)
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     else:                                    # the GEMM path also rounds the scores to bf16
@@ -295,6 +442,10 @@ def test_multi_row_attention_rejects_bad_inputs(kernels):
     bad[0, 1] = k_cache.shape[0]
     with pytest.raises(ValueError, match="not a block of the cache"):
         kernels.multi_row_attention(query, k_cache, v_cache, bad[:2], qs, pos, 1.0)
+    with pytest.raises(ValueError, match="sliding_window"):
+        kernels.multi_row_attention(query, k_cache, v_cache, tables[:2], qs, pos, 1.0, sliding_window=-3)
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        kernels.multi_row_attention(query, k_cache, v_cache, tables[:2], qs, pos, 1.0, logits_soft_cap=-1.0)
 
 
 # ---------------------------------------------------------------------------------- KV store

@@ -2,6 +2,8 @@
 //
 //   decode_attention  one query row per sequence against the paged KV cache (no gather copies)
 //   multi_row_attention  several query rows per sequence (prefill, sparse rows): flash-style tiles
+//                     Both take an optional sliding window (a row at position i sees keys i-W+1..i;
+//                     key blocks before it are not read) and logit softcapping (s -> C tanh(s / C)).
 //   store_kv          this step's K and V rows into their cache slots in one call
 //   rms_norm          RMSNorm; add_rms_norm fuses the residual add
 //   rope              rotary embedding of q and k (HF rotate_half layout) in one call
@@ -168,6 +170,27 @@ inline vf vexp(vf x) {
 
 inline float sexp(float x) { return vexp(splat(x))[0]; }   // the same function for scalar tails
 
+inline vf vmin(vf a, vf b) { return a < b ? a : b; }
+
+// tanh(x) to a few ulp (Cephes tanhf): an odd polynomial for |x| <= 0.625, where 1 - 2 / (e^2|x| + 1)
+// would lose the small result to cancellation; that formula above it, |x| clamped at 9 (tanh is 1.0f
+// there) so exp cannot overflow.
+inline vf vtanh(vf x) {
+  const vf z = x < splat(0.f) ? -x : x;
+  const vf t = splat(1.f) - splat(2.f) / (vexp(splat(2.f) * vmin(z, splat(9.f))) + splat(1.f));
+  const vf s = x * x;
+  vf p = splat(-5.70498872745e-3f);
+  p = fmadd(p, s, splat(2.06390887954e-2f));
+  p = fmadd(p, s, splat(-5.37397155531e-2f));
+  p = fmadd(p, s, splat(1.33314422036e-1f));
+  p = fmadd(p, s, splat(-3.33332819422e-1f));
+  const vf small = fmadd(p * s, x, x);
+  return z > splat(0.625f) ? (x < splat(0.f) ? -t : t) : small;
+}
+
+// Attention-logit softcapping (Gemma): cap * tanh(score / cap), on scores already scaled. cap > 0.
+inline vf softcap(vf score, float cap) { return splat(cap) * vtanh(score / splat(cap)); }
+
 // Calls f(T{}) with T = c10::BFloat16 or float, the tensor dtype (checked by check_float).
 template <typename F>
 void dispatch_float_types(at::ScalarType type, F&& f) {
@@ -291,11 +314,11 @@ struct HeadState {
 };
 
 // Adds one block's `count` keys to query head `st`: `dots(t0, m, dot)` gives the dot vectors of
-// keys t0..t0+m-1, `score_scale` scales their sums; v: float32 rows `stride` apart; scores:
-// scratch of count rounded up to 16 floats.
+// keys t0..t0+m-1, `score_scale` scales their sums, `cap` > 0 softcaps the scaled scores (0: none);
+// v: float32 rows `stride` apart; scores: scratch of count rounded up to 16 floats.
 template <int64_t NV, typename Dots>
-inline void attend_block(const Dots& dots, float score_scale, const float* v, int64_t stride, int64_t count,
-                         float* scores, HeadState<NV>& st) {
+inline void attend_block(const Dots& dots, float score_scale, float cap, const float* v, int64_t stride,
+                         int64_t count, float* scores, HeadState<NV>& st) {
   const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const vf neg_inf = splat(-std::numeric_limits<float>::infinity());
   vf block_max = neg_inf;
@@ -303,7 +326,9 @@ inline void attend_block(const Dots& dots, float score_scale, const float* v, in
     const int64_t m = std::min(kLanes, count - t0);
     vf dot[kLanes];
     dots(t0, m, dot);
-    const vf sc = (lane < static_cast<int32_t>(m)) ? hsum16(dot) * splat(score_scale) : neg_inf;
+    vf sc = hsum16(dot) * splat(score_scale);
+    if (cap > 0.f) sc = softcap(sc, cap);
+    sc = (lane < static_cast<int32_t>(m)) ? sc : neg_inf;
     store(scores + t0, sc);
     block_max = vmax(block_max, sc);
   }
@@ -331,7 +356,7 @@ inline void attend_block(const Dots& dots, float score_scale, const float* v, in
 template <typename T, int64_t NV>
 void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& positions, float scale,
-                           at::Tensor& out) {
+                           int64_t window, float cap, at::Tensor& out) {
   constexpr int64_t D = NV * kLanes;
   constexpr bool bf16_dots = kBf16DotProducts && std::is_same_v<T, c10::BFloat16> && NV % 2 == 0;
   const int64_t S = query.size(0), H = query.size(1);
@@ -365,7 +390,8 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, c
     std::vector<HeadState<NV>> state(task_q_heads);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / tasks_per_seq, h0 = task % tasks_per_seq * task_heads;
-      const int64_t n = pos_ptr[s] + 1;                   // keys 0..positions[s]
+      const int64_t n = pos_ptr[s] + 1;                   // keys lo..positions[s]
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, n - window) : 0;
       const int32_t* table = bt_ptr + s * bt_stride;
       for (int64_t i = 0; i < task_q_heads; ++i) {
         const T* q_row = q_ptr + s * q_ts + (h0 * G + i) * q_hs;
@@ -376,9 +402,10 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, c
         }
         state[i] = HeadState<NV>{};
       }
-      for (int64_t p0 = 0; p0 < n; p0 += BS) {
-        const int64_t count = std::min(BS, n - p0);
-        const int64_t base = table[p0 / BS] * BS * KVH * D;
+      for (int64_t p0 = lo / BS * BS; p0 < n; p0 += BS) {      // the window's blocks only
+        const int64_t skip = std::max<int64_t>(0, lo - p0);     // keys of the first block before the window
+        const int64_t count = std::min(BS, n - p0) - skip;
+        const int64_t base = table[p0 / BS] * BS * KVH * D + skip * tok_stride;
         const int64_t pf_pos = p0 + kPrefetchBlocks * BS;
         const int64_t pf_base = pf_pos < n ? table[pf_pos / BS] * BS * KVH * D + (whole_blocks ? 0 : h0 * D) : -1;
         for (int64_t h = h0; h < h0 + task_heads; ++h) {
@@ -397,12 +424,12 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, c
               const auto dots = [&](int64_t t0, int64_t m, vf* dot) {
                 dots_bf16<NV>(q_bf16.data() + i * NV / 2, k_rows + t0 * tok_stride, tok_stride, m, dot);
               };
-              attend_block<NV>(dots, scale, v, stride, count, scores.data(), state[i]);
+              attend_block<NV>(dots, scale, cap, v, stride, count, scores.data(), state[i]);
             } else {
               const auto dots = [&](int64_t t0, int64_t m, vf* dot) {
                 dots_f32<NV>(q_f32.data() + i * NV, k + t0 * stride, stride, m, dot);
               };
-              attend_block<NV>(dots, 1.0f, v, stride, count, scores.data(), state[i]);
+              attend_block<NV>(dots, 1.0f, cap, v, stride, count, scores.data(), state[i]);
             }
           }
         }
@@ -431,12 +458,21 @@ static void check_attention_inputs(const at::Tensor& query, const at::Tensor& k_
                     " is not a multiple of num_kv_heads ", k_cache.size(2));
 }
 
+// The optional arguments of both attention kernels: a sliding window of `window` keys (0: none)
+// and logit softcapping at `cap` (0: none).
+static void check_window_and_cap(int64_t window, double cap) {
+  TORCH_CHECK_VALUE(window >= 0, "sliding_window must be positive (0: none), got ", window);
+  TORCH_CHECK_VALUE(cap >= 0 && std::isfinite(cap), "logits_soft_cap must be positive (0: none), got ", cap);
+}
+
 // query [S, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables [S, max_blocks]
-// int32; positions [S] int64 (row s sees keys 0..positions[s] of its sequence).
-// Returns [S, H, D] in the query dtype.
+// int32; positions [S] int64 (row s sees keys 0..positions[s] of its sequence, the last `window` of
+// them when window > 0); cap > 0 softcaps the scaled scores. Returns [S, H, D] in the query dtype.
 at::Tensor decode_attention(const at::Tensor& query_in, const at::Tensor& k_cache_in, const at::Tensor& v_cache_in,
-                            const at::Tensor& block_tables_in, const at::Tensor& positions_in, double scale) {
+                            const at::Tensor& block_tables_in, const at::Tensor& positions_in, double scale,
+                            int64_t window, double cap) {
   check_attention_inputs(query_in, k_cache_in, v_cache_in);
+  check_window_and_cap(window, cap);
   const int64_t S = query_in.size(0), H = query_in.size(1), D = query_in.size(2), KVH = k_cache_in.size(2);
   TORCH_CHECK_VALUE(block_tables_in.device().is_cpu() && block_tables_in.scalar_type() == at::kInt &&
                     block_tables_in.dim() == 2 && block_tables_in.size(0) == S,
@@ -454,7 +490,8 @@ at::Tensor decode_attention(const at::Tensor& query_in, const at::Tensor& k_cach
     TORCH_CHECK_VALUE(pos[s] >= 0 && pos[s] < max_keys, "position ", pos[s], " of row ", s,
                       " is outside its block table (", max_keys, " keys)");
     const int32_t* table = block_tables.data_ptr<int32_t>() + s * block_tables.stride(0);
-    for (int64_t b = 0; b <= pos[s] / block_size; ++b)
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, pos[s] + 1 - window) : 0;   // the blocks read
+    for (int64_t b = lo / block_size; b <= pos[s] / block_size; ++b)
       TORCH_CHECK_VALUE(table[b] >= 0 && table[b] < num_blocks, "block table entry ", table[b], " of row ", s,
                         " is not a block of the cache (", num_blocks, " blocks)");
   }
@@ -462,15 +499,19 @@ at::Tensor decode_attention(const at::Tensor& query_in, const at::Tensor& k_cach
   at::Tensor out = at::empty({S, H, D}, query.options());
   dispatch_float_types(query.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    const float sc = static_cast<float>(scale);
+    const float sc = static_cast<float>(scale), cp = static_cast<float>(cap);
+    const auto run = [&](auto nv) {
+      decode_attention_impl<T, decltype(nv)::value>(query, k_cache, v_cache, block_tables, positions, sc, window,
+                                                    cp, out);
+    };
     switch (D) {   // the head dims cpu_kernels.py lists in ATTENTION_HEAD_DIMS
-      case 16: return decode_attention_impl<T, 1>(query, k_cache, v_cache, block_tables, positions, sc, out);
-      case 32: return decode_attention_impl<T, 2>(query, k_cache, v_cache, block_tables, positions, sc, out);
-      case 64: return decode_attention_impl<T, 4>(query, k_cache, v_cache, block_tables, positions, sc, out);
-      case 80: return decode_attention_impl<T, 5>(query, k_cache, v_cache, block_tables, positions, sc, out);
-      case 96: return decode_attention_impl<T, 6>(query, k_cache, v_cache, block_tables, positions, sc, out);
-      case 128: return decode_attention_impl<T, 8>(query, k_cache, v_cache, block_tables, positions, sc, out);
-      case 256: return decode_attention_impl<T, 16>(query, k_cache, v_cache, block_tables, positions, sc, out);
+      case 16: return run(std::integral_constant<int64_t, 1>{});
+      case 32: return run(std::integral_constant<int64_t, 2>{});
+      case 64: return run(std::integral_constant<int64_t, 4>{});
+      case 80: return run(std::integral_constant<int64_t, 5>{});
+      case 96: return run(std::integral_constant<int64_t, 6>{});
+      case 128: return run(std::integral_constant<int64_t, 8>{});
+      case 256: return run(std::integral_constant<int64_t, 16>{});
       default: TORCH_CHECK_VALUE(false, "unsupported head_dim ", D, " (16, 32, 64, 80, 96, 128 or 256)");
     }
   });
@@ -486,7 +527,11 @@ at::Tensor decode_attention(const at::Tensor& query_in, const at::Tensor& k_cach
 // [D][kKeyBlock] and V as [kKeyBlock][D]. Phase 2 runs a tile of query rows x the G query heads of a
 // KV head against the key blocks up to the tile's last position with an online softmax: scores of
 // one key block live in a [tile, kKeyBlock] scratch, never a [rows, keys] matrix. Only the blocks
-// holding keys past the tile's first position are masked.
+// holding keys past the tile's first position are masked. With a sliding window of W keys, a
+// sequence's keys are packed from the first block any of its rows sees, and a tile starts at the
+// block of its first row's first key (position - W + 1) and skips the blocks no row's window
+// reaches (gaps between sparse rows): a long prompt costs O(W) per row, not O(position); blocks
+// holding keys that some of the tile's rows no longer see are masked too.
 constexpr int64_t kKeyBlock = 64;
 constexpr int64_t kKeyVecs = kKeyBlock / kLanes;
 constexpr int64_t kTileQueries = 96;                      // query vectors (rows x G) a tile aims for
@@ -595,7 +640,8 @@ inline void row_steps(int64_t rows, F&& f) {
 template <typename T, int64_t NV>
 void multi_row_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const int64_t* qstart, const int64_t* pos,
-                              const std::vector<int64_t>& num_keys, float scale, at::Tensor& out) {
+                              const std::vector<int64_t>& first_key, const std::vector<int64_t>& num_keys,
+                              float scale, int64_t window, float cap, at::Tensor& out) {
   constexpr int64_t D = NV * kLanes;
   constexpr bool bf16_dots = kBf16DotProducts && std::is_same_v<T, c10::BFloat16>;
   using P = std::conditional_t<bf16_dots, c10::BFloat16, float>;   // packed K/V, Q and probabilities
@@ -609,9 +655,13 @@ void multi_row_attention_impl(const at::Tensor& query, const at::Tensor& k_cache
   T* o_ptr = out.data_ptr<T>();
   constexpr int64_t block_elems = kKeyBlock * D;
 
-  // Phase 1: packed [key blocks of all sequences][KVH][kKeyBlock * D] K and V
-  std::vector<int64_t> block0(S + 1, 0);                  // first key block of each sequence
-  for (int64_t s = 0; s < S; ++s) block0[s + 1] = block0[s] + (num_keys[s] + kKeyBlock - 1) / kKeyBlock;
+  // Phase 1: packed [key blocks of all sequences][KVH][kKeyBlock * D] K and V; sequence s's blocks
+  // cover its key blocks from first_blk[s] (the one holding first_key[s]) on
+  std::vector<int64_t> block0(S + 1, 0), first_blk(S);   // block0[s]: its first packed block
+  for (int64_t s = 0; s < S; ++s) {
+    first_blk[s] = first_key[s] / kKeyBlock;
+    block0[s + 1] = block0[s] + (num_keys[s] + kKeyBlock - 1) / kKeyBlock - first_blk[s];
+  }
   std::vector<int64_t> block_seq(block0[S]);
   for (int64_t s = 0; s < S; ++s) std::fill(block_seq.begin() + block0[s], block_seq.begin() + block0[s + 1], s);
   const std::unique_ptr<P[]> k_pack(new P[block0[S] * KVH * block_elems]);   // every element is written below
@@ -619,7 +669,7 @@ void multi_row_attention_impl(const at::Tensor& query, const at::Tensor& k_cache
   at::parallel_for(0, block0[S] * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KVH, h = task % KVH, s = block_seq[b];
-      const int64_t p0 = (b - block0[s]) * kKeyBlock, count = std::min(kKeyBlock, num_keys[s] - p0);
+      const int64_t p0 = (first_blk[s] + b - block0[s]) * kKeyBlock, count = std::min(kKeyBlock, num_keys[s] - p0);
       P* kp = k_pack.get() + task * block_elems;
       P* vp = v_pack.get() + task * block_elems;
       const int32_t* table = bt_ptr + s * bt_stride;
@@ -650,16 +700,17 @@ void multi_row_attention_impl(const at::Tensor& query, const at::Tensor& k_cache
 
   // Phase 2: tasks (sequence, KV head, row tile), the longest first (dynamic schedule)
   const int64_t tile_rows = std::max<int64_t>(1, kTileQueries / G), tile_q = tile_rows * G;
-  struct Task { int64_t s, h, r0, r1, kend; };
+  struct Task { int64_t s, h, r0, r1, kstart, kend; };     // rows r0..r1-1 see keys kstart..kend-1 at most
   std::vector<Task> tasks;
   for (int64_t s = 0; s < S; ++s)
     for (int64_t r0 = qstart[s]; r0 < qstart[s + 1]; r0 += tile_rows) {
       const int64_t r1 = std::min(qstart[s + 1], r0 + tile_rows);
       const int64_t kend = *std::max_element(pos + r0, pos + r1) + 1;
-      for (int64_t h = 0; h < KVH; ++h) tasks.push_back({s, h, r0, r1, kend});
+      const int64_t kstart = window > 0 ? std::max<int64_t>(0, *std::min_element(pos + r0, pos + r1) + 1 - window) : 0;
+      for (int64_t h = 0; h < KVH; ++h) tasks.push_back({s, h, r0, r1, kstart, kend});
     }
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
-    return a.kend * (a.r1 - a.r0) > b.kend * (b.r1 - b.r0);
+    return (a.kend - a.kstart) * (a.r1 - a.r0) > (b.kend - b.kstart) * (b.r1 - b.r0);
   });
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const float score_scale = bf16_dots ? scale : 1.0f;     // float32 queries carry the scale
@@ -677,6 +728,8 @@ void multi_row_attention_impl(const at::Tensor& query, const at::Tensor& k_cache
       const Task& task = tasks[ti];
       const int64_t M = (task.r1 - task.r0) * G;
       const int64_t mstart = *std::min_element(pos + task.r0, pos + task.r1) + 1;  // keys < mstart: all rows
+      // keys < wend have left the window of some row (none without a window)
+      const int64_t wend = window > 0 ? *std::max_element(pos + task.r0, pos + task.r1) + 1 - window : 0;
       for (int64_t m = 0; m < M; ++m) {
         const T* q_row = q_ptr + (task.r0 + m / G) * q_ts + (task.h * G + m % G) * q_hs;
         for (int64_t d = 0; d < D; ++d)
@@ -685,9 +738,16 @@ void multi_row_attention_impl(const at::Tensor& query, const at::Tensor& k_cache
       std::fill(o.begin(), o.begin() + M * D, 0.f);
       std::fill(row_max.begin(), row_max.begin() + M, -std::numeric_limits<float>::infinity());
       std::fill(denom.begin(), denom.begin() + M, 0.f);
-      for (int64_t p0 = 0; p0 < task.kend; p0 += kKeyBlock) {
+      for (int64_t p0 = task.kstart / kKeyBlock * kKeyBlock; p0 < task.kend; p0 += kKeyBlock) {
+        const bool masked = p0 + kKeyBlock > mstart || p0 < wend;
+        if (masked && window > 0) {     // sparse rows far apart: skip a block between their windows
+          bool seen = false;
+          for (int64_t r = task.r0; r < task.r1 && !seen; ++r)
+            seen = pos[r] >= p0 && pos[r] + 1 - window < p0 + kKeyBlock;
+          if (!seen) continue;
+        }
         const int64_t count = std::min(kKeyBlock, task.kend - p0);
-        const int64_t packed = ((block0[task.s] + p0 / kKeyBlock) * KVH + task.h) * block_elems;
+        const int64_t packed = ((block0[task.s] + p0 / kKeyBlock - first_blk[task.s]) * KVH + task.h) * block_elems;
         const P* kp = k_pack.get() + packed;
         const P* vp = v_pack.get() + packed;
         row_steps<kQkRows>(M, [&](int64_t m, auto mr) {
@@ -696,19 +756,23 @@ void multi_row_attention_impl(const at::Tensor& query, const at::Tensor& k_cache
           else
             qk_f32<decltype(mr)::value, NV>(q.data() + m * D, kp, scores.data() + m * kKeyBlock);
         });
-        const bool masked = p0 + kKeyBlock > mstart;
         for (int64_t m = 0; m < M; ++m) {
-          const int64_t visible = masked ? std::min(kKeyBlock, pos[task.r0 + m / G] + 1 - p0) : kKeyBlock;
+          // the row sees keys first..visible-1 of this block
+          const int64_t row_pos = pos[task.r0 + m / G];
+          const int64_t visible = masked ? std::min(kKeyBlock, row_pos + 1 - p0) : kKeyBlock;
+          const int64_t first = masked && window > 0 ? std::max<int64_t>(0, row_pos + 1 - window - p0) : 0;
           P* pr = probs.data() + m * kKeyBlock;
-          if (visible <= 0) {                             // the row's keys all lie in earlier blocks
+          if (visible <= first) {                         // the row's keys all lie in other blocks
             std::fill(pr, pr + kKeyBlock, P(0.f));
             continue;
           }
           float* sr = scores.data() + m * kKeyBlock;
           vf bmax = neg_inf;
           for (int64_t c = 0; c < kKeyVecs; ++c) {
-            const vf sc = (lane + static_cast<int32_t>(c * kLanes) < static_cast<int32_t>(visible))
-                              ? load(sr + c * kLanes) * splat(score_scale) : neg_inf;
+            const vi key = lane + static_cast<int32_t>(c * kLanes);
+            vf sc = load(sr + c * kLanes) * splat(score_scale);
+            if (cap > 0.f) sc = softcap(sc, cap);
+            sc = ((key >= static_cast<int32_t>(first)) & (key < static_cast<int32_t>(visible))) ? sc : neg_inf;
             store(sr + c * kLanes, sc);
             bmax = vmax(bmax, sc);
           }
@@ -744,11 +808,14 @@ void multi_row_attention_impl(const at::Tensor& query, const at::Tensor& k_cache
 
 // query [T, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables [S, max_blocks]
 // int32; query_start [S + 1] int64 (rows of sequence s: query_start[s]..query_start[s+1]-1);
-// positions [T] int64 (row t sees keys 0..positions[t] of its sequence). Returns [T, H, D].
+// positions [T] int64 (row t sees keys 0..positions[t] of its sequence, the last `window` of them
+// when window > 0); cap > 0 softcaps the scaled scores. Returns [T, H, D].
 at::Tensor multi_row_attention(const at::Tensor& query_in, const at::Tensor& k_cache_in,
                                const at::Tensor& v_cache_in, const at::Tensor& block_tables_in,
-                               const at::Tensor& query_start_in, const at::Tensor& positions_in, double scale) {
+                               const at::Tensor& query_start_in, const at::Tensor& positions_in, double scale,
+                               int64_t window, double cap) {
   check_attention_inputs(query_in, k_cache_in, v_cache_in);
+  check_window_and_cap(window, cap);
   const int64_t T = query_in.size(0), H = query_in.size(1), D = query_in.size(2), KVH = k_cache_in.size(2);
   TORCH_CHECK_VALUE(block_tables_in.device().is_cpu() && block_tables_in.scalar_type() == at::kInt &&
                     block_tables_in.dim() == 2, "block_tables must be [S, max_blocks] int32, got ",
@@ -765,18 +832,22 @@ at::Tensor multi_row_attention(const at::Tensor& query_in, const at::Tensor& k_c
   const int64_t* qstart = query_start.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   TORCH_CHECK_VALUE(qstart[0] == 0 && qstart[S] == T, "query_start must run from 0 to ", T);
-  std::vector<int64_t> num_keys(S);                       // keys 0..num_keys[s]-1 of sequence s are read
+  // keys first_key[s]..num_keys[s]-1 of sequence s are read (from the start of their blocks)
+  std::vector<int64_t> first_key(S, 0), num_keys(S);
   for (int64_t s = 0; s < S; ++s) {
     TORCH_CHECK_VALUE(qstart[s] <= qstart[s + 1], "query_start must be non-decreasing");
-    int64_t last = -1;
+    int64_t last = -1, earliest = max_keys;
     for (int64_t t = qstart[s]; t < qstart[s + 1]; ++t) {
       TORCH_CHECK_VALUE(pos[t] >= 0 && pos[t] < max_keys, "position ", pos[t], " of row ", t,
                         " is outside its block table (", max_keys, " keys)");
       last = std::max(last, pos[t]);
+      earliest = std::min(earliest, pos[t]);
     }
     num_keys[s] = last + 1;
+    if (window > 0 && last >= 0) first_key[s] = std::max<int64_t>(0, earliest + 1 - window);
     const int32_t* table = block_tables.data_ptr<int32_t>() + s * block_tables.stride(0);
-    for (int64_t b = 0; b * block_size < num_keys[s]; ++b)
+    const int64_t read_from = std::min(first_key[s] / kKeyBlock * kKeyBlock, num_keys[s]);
+    for (int64_t b = read_from / block_size; b * block_size < num_keys[s]; ++b)
       TORCH_CHECK_VALUE(table[b] >= 0 && table[b] < num_blocks, "block table entry ", table[b], " of sequence ",
                         s, " is not a block of the cache (", num_blocks, " blocks)");
   }
@@ -785,10 +856,10 @@ at::Tensor multi_row_attention(const at::Tensor& query_in, const at::Tensor& k_c
   if (T == 0) return out;
   dispatch_float_types(query.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    const float sc = static_cast<float>(scale);
+    const float sc = static_cast<float>(scale), cp = static_cast<float>(cap);
     const auto run = [&](auto nv) {
-      multi_row_attention_impl<T, decltype(nv)::value>(query, k_cache, v_cache, block_tables, qstart, pos, num_keys,
-                                                       sc, out);
+      multi_row_attention_impl<T, decltype(nv)::value>(query, k_cache, v_cache, block_tables, qstart, pos, first_key,
+                                                       num_keys, sc, window, cp, out);
     };
     switch (D) {   // the head dims cpu_kernels.py lists in ATTENTION_HEAD_DIMS
       case 16: return run(std::integral_constant<int64_t, 1>{});
@@ -1037,10 +1108,11 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up_in) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged single-row attention", py::arg("query"), py::arg("k_cache"),
-        py::arg("v_cache"), py::arg("block_tables"), py::arg("positions"), py::arg("scale"));
+        py::arg("v_cache"), py::arg("block_tables"), py::arg("positions"), py::arg("scale"),
+        py::arg("sliding_window") = 0, py::arg("logits_soft_cap") = 0.0);
   m.def("multi_row_attention", &multi_row_attention, "paged multi-row (flash) attention", py::arg("query"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start"),
-        py::arg("positions"), py::arg("scale"));
+        py::arg("positions"), py::arg("scale"), py::arg("sliding_window") = 0, py::arg("logits_soft_cap") = 0.0);
   m.def("store_kv", &store_kv, "K/V rows into cache slots", py::arg("key"), py::arg("value"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("slot_mapping"));
   m.def("rms_norm", &rms_norm, "RMSNorm", py::arg("x"), py::arg("weight"), py::arg("eps"));

@@ -46,7 +46,10 @@ class FixedSplitDecodeBackend:
         TritonAttentionBackend.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def attention(self, query, k_cache, v_cache, md: AttentionMetadata, scale: float,
-                  key=None, value=None) -> torch.Tensor:
+                  key=None, value=None, *, sliding_window: int | None = None,
+                  logits_soft_cap: float | None = None) -> torch.Tensor:
+        if sliding_window is not None or logits_soft_cap is not None:
+            raise NotImplementedError("sliding-window / softcapped attention is not implemented in the Triton backend yet")
         from sparsex.layers.triton_attention import decode_attention
         return decode_attention(query, k_cache, v_cache, md, scale, num_splits=self.num_splits)
 

@@ -3,9 +3,10 @@
 The KV cache of a sequence is laid out *by position*: the key/value of the token at absolute
 position `p` of sequence `s` lives at slot `block_tables[s, p // block_size] * block_size + p % block_size`.
 A query row carries its own absolute position and attends to keys at positions `0..position`
-of its sequence (an exact per-row causal mask). Rows of a sequence need not be contiguous in
-position: plain prefill, chunked prefill, prefix-cache hits, decode and SparseX's sparse rows
-(selected tokens scattered through a prompt) are all the same case.
+of its sequence (an exact per-row causal mask; in a sliding-window layer only the last
+`sliding_window` of them). Rows of a sequence need not be contiguous in position: plain prefill,
+chunked prefill, prefix-cache hits, decode and SparseX's sparse rows (selected tokens scattered
+through a prompt) are all the same case.
 """
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ class AttentionMetadata:
     # a backend's per-step precomputation (e.g. the CPU backend's gather indices and masks),
     # built at the first layer and reused by the others; a row subset gets a fresh one
     backend_plan: object | None = None
+    # the same for layers whose attention differs from the plain causal one (a sliding window,
+    # softcapped logits), keyed by the backend by what a plan depends on: a model alternating
+    # sliding and global layers keeps one plan of each; a row subset starts without
+    variant_plans: dict | None = None
 
     @property
     def num_seqs(self) -> int:

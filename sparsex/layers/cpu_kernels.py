@@ -1,6 +1,7 @@
 """Native CPU kernels for the decode hot path (`sparsex/csrc/cpu_kernels.cpp`): paged single-row
 attention, paged multi-row (flash-style) attention for prefill and sparse rows (used only on AVX-512
-CPUs: `multi_row_preferred`), the KV store, RMSNorm (+ residual add), RoPE on q and k, SiLU·mul.
+CPUs: `multi_row_preferred`), both with an optional sliding window and logit softcapping, the KV
+store, RMSNorm (+ residual add), RoPE on q and k, SiLU·mul.
 
 The extension is compiled at first use with `torch.utils.cpp_extension.load` (g++ -O3 -march=native
 -fopenmp, through ninja) into torch's extension directory (`$TORCH_EXTENSIONS_DIR`, default
@@ -116,10 +117,16 @@ def decode_attention(
     block_tables: torch.Tensor,   # [S, max_blocks] int32
     positions: torch.Tensor,      # [S] int64: row s attends to keys 0..positions[s] of sequence s
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:                # [S, num_heads, head_dim], query dtype
     """Softmax attention of each row over its sequence's keys, read straight from the paged cache.
+    `sliding_window` W: only keys positions[s]-W+1..positions[s] (the others are not read);
+    `logits_soft_cap` C: scores s = q·k * scale become C * tanh(s / C) before the softmax.
     head_dim must be one of ATTENTION_HEAD_DIMS; num_heads a multiple of num_kv_heads (GQA)."""
-    return _module().decode_attention(query, k_cache, v_cache, block_tables, positions, scale)
+    # the extension takes 0 for "none" (a plain int / float argument is cheaper to pass than an optional)
+    return _module().decode_attention(query, k_cache, v_cache, block_tables, positions, scale,
+                                      sliding_window or 0, logits_soft_cap or 0.0)
 
 
 def multi_row_attention(
@@ -130,11 +137,17 @@ def multi_row_attention(
     query_start: torch.Tensor,    # [S + 1] int64: rows of sequence s are query_start[s]:query_start[s+1]
     positions: torch.Tensor,      # [T] int64: row t attends to keys 0..positions[t] of its sequence
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:                # [T, num_heads, head_dim], query dtype
     """Softmax attention of every row over its sequence's keys in flash-style tiles (online softmax,
     float32; scores are never materialised). Rows of a sequence may have any positions (sparse rows).
+    `sliding_window` W: row t sees only keys positions[t]-W+1..positions[t], and a tile of rows
+    starts at the key block holding its first row's first key (a long prompt costs O(W) per row);
+    `logits_soft_cap` C: scores s = q·k * scale become C * tanh(s / C) before the softmax.
     head_dim must be one of ATTENTION_HEAD_DIMS; num_heads a multiple of num_kv_heads (GQA)."""
-    return _module().multi_row_attention(query, k_cache, v_cache, block_tables, query_start, positions, scale)
+    return _module().multi_row_attention(query, k_cache, v_cache, block_tables, query_start, positions, scale,
+                                         sliding_window or 0, logits_soft_cap or 0.0)
 
 
 def store_kv(

@@ -542,7 +542,13 @@ class TritonAttentionBackend:
         scale: float,
         key: torch.Tensor | None = None,     # this step's K/V ([num_tokens, num_kv_heads, head_dim])
         value: torch.Tensor | None = None,
+        *,
+        sliding_window: int | None = None,   # as TorchAttentionBackend.attention: not supported here yet
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:              # [num_tokens, num_heads, head_dim]
+        if sliding_window is not None or logits_soft_cap is not None:
+            raise NotImplementedError(
+                "sliding-window / softcapped attention is not implemented in the Triton backend yet")
         # host ints only: no device->host sync on this path
         if query.shape[0] == md.num_seqs and md.max_seqlen_q == 1:
             return decode_attention(query, k_cache, v_cache, md, scale)

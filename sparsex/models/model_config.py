@@ -12,7 +12,7 @@ handful of switches, all read here from the family's own config keys:
   gemma3_text (gemma3)     (1 + w) RMSNorm, sandwich norms around attention and MLP, GELU-tanh MLP,
                            embeddings scaled by sqrt(hidden), QK-norm, query_pre_attn_scalar,
                            sliding-window and global layers (`layer_types`) with their own RoPE bases,
-                           optional attention / final-logit softcapping
+                           optional final-logit softcapping
   granite                  embedding / residual / attention multipliers, logits divided by logits_scaling
   qwen3_moe, mixtral       top-k routed experts in place of the MLP (models/moe.py)
 """
@@ -184,7 +184,9 @@ class ModelConfig:
             residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
             attention_scale=attention_scale,
             logits_scaling=float(cfg.get("logits_scaling", 1.0)) if arch == "granite" else 1.0,
-            attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+            # transformers' Gemma 3 keeps attn_logit_softcapping in its config but never applies it
+            # (the released checkpoints set it null); applying it would depart from the reference
+            attn_logit_softcapping=None if gemma else cfg.get("attn_logit_softcapping"),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
             **moe,
         )
