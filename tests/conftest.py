@@ -30,6 +30,7 @@ _MALLOC_TRIM = getattr(ctypes.CDLL(_LIBC_NAME), "malloc_trim", None) if _LIBC_NA
 MODEL_FIXTURES = frozenset({
     "smollm2", "hf_model", "llm_prefix", "llm_none",   # this file
     "fresh_smollm2", "gemma3_gguf", "gemma3_dir",       # test_loader.py
+    "gemma3",                                           # test_hf_parity.py
     "server", "strict", "offline",                      # test_server.py
     "engines",                                          # test_workload_bench.py
     "serve_process",                                    # test_server_cli.py
