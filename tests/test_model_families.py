@@ -283,3 +283,23 @@ def test_hf_state_dict_round_trips_into_transformers(family, prompts):
     ids = torch.tensor([prompts[1]])
     with torch.no_grad():
         torch.testing.assert_close(hf.eval()(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_sharded_checkpoint_with_index_file_loads_the_same(family, tmp_path, prompts):
+    """A checkpoint saved in several safetensors shards (with model.safetensors.index.json) loads to
+    the same weights as the single-file one."""
+    import glob
+    from transformers import AutoModelForCausalLM
+    from sparsex.models.loader import load_model
+    name, path, _, _ = family
+    if name not in ("qwen3", "gemma3_text", "qwen3_moe"):
+        pytest.skip("one dense, one sliding-window and one MoE family are enough here")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.save_pretrained(tmp_path, max_shard_size="2MB")
+    assert len(glob.glob(str(tmp_path / "*.safetensors"))) > 1 and (tmp_path / "model.safetensors.index.json").exists()
+    for f in glob.glob(os.path.join(path, "tokenizer*")) + glob.glob(os.path.join(path, "special_tokens_map.json")):
+        import shutil
+        shutil.copy(f, tmp_path)
+    one, sharded = load_model(path), load_model(str(tmp_path))
+    assert sorted(one.weights) == sorted(sharded.weights)
+    assert all(torch.equal(one.weights[k], sharded.weights[k]) for k in one.weights)
