@@ -303,3 +303,34 @@ def test_sharded_checkpoint_with_index_file_loads_the_same(family, tmp_path, pro
     one, sharded = load_model(path), load_model(str(tmp_path))
     assert sorted(one.weights) == sorted(sharded.weights)
     assert all(torch.equal(one.weights[k], sharded.weights[k]) for k in one.weights)
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path, smollm2, prompts):
+    """A `gemma3` checkpoint (Gemma 3 4B+: language model + vision tower) serves its text model: the
+    vision tensors are dropped and text-only prompts match transformers' multimodal model."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+    tok = smollm2.tokenizer
+    text = _configs(len(tok), tok.eos_token_id, tok.bos_token_id or 0)["gemma3_text"]
+    # transformers' multimodal head applies no final softcap (released checkpoints set none): off here
+    text.final_logit_softcapping = None
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    cfg = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                       eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    ref = Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for pname, p in ref.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    ref.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["model_type"] == "gemma3"
+    llm = LLM(model=str(tmp_path), cache="prefix", dtype="float32")
+    assert llm.llm_engine.model_config.architecture == "gemma3_text"
+    ids = prompts[1]
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    with torch.no_grad():
+        want = torch.log_softmax(ref.eval()(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+    assert max(abs(out.prompt_logprobs[p][ids[p]] - want[p - 1, ids[p]].item()) for p in range(1, len(ids))) < 1e-3

@@ -65,6 +65,32 @@ def _load_tensors(path: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
+# Multimodal checkpoints whose text model is served on its own: the prefixes its tensors carry on
+# disk (original layout, then transformers 5's in-memory one) and the towers that are dropped.
+_TEXT_MODEL_PREFIXES = {"gemma3": ("language_model.", "model.language_model.")}
+_OTHER_TOWERS = {"gemma3": ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")}
+
+
+def _text_model_tensors(hf_config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A multimodal checkpoint (Gemma 3 4B+): its language model's tensors under the text model's
+    own names (`language_model.model.layers.0...` -> `model.layers.0...`); vision tensors dropped."""
+    arch = hf_config.get("model_type")
+    if arch not in _TEXT_MODEL_PREFIXES:
+        return tensors
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith(_OTHER_TOWERS[arch]):
+            continue
+        for prefix in _TEXT_MODEL_PREFIXES[arch]:
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+                # transformers 5 keeps `model.language_model.layers...`: the text model's `model.` is implied
+                name = name if name.startswith(("model.", "lm_head.")) else "model." + name
+                break
+        out[name] = t
+    return out
+
+
 def _select_weights(path: str, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Keep exactly the expected parameters (validated by shape), cast to `dtype`."""
     expected = param_shapes(config, detect_moe_layout(tensors))
@@ -113,7 +139,7 @@ def read_hf_dir(path: str, *, dtype: torch.dtype) -> HFDirContents:
     with open(os.path.join(path, "config.json")) as f:
         hf_config = json.load(f)
     config = ModelConfig.from_hf_config(hf_config)
-    weights = _select_weights(path, config, _load_tensors(path), dtype)
+    weights = _select_weights(path, config, _text_model_tensors(hf_config, _load_tensors(path)), dtype)
     return HFDirContents(hf_config, config, weights, load_tokenizer(path), read_marker(path))
 
 
