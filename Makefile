@@ -4,10 +4,28 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+# Debian packages that `make install` adds where missing (each is named like its binary)
+SYSTEM_PKGS := redis-server nginx
 
 .PHONY: demo test test-fast install clean
 
 $(STAMP): pyproject.toml Makefile
+	# Redis (the shared segment store; tests/redis_server.py starts a server of its own per test) and nginx,
+	# from Debian, only where missing. A temporary policy-rc.d ("exit 101": not allowed), unless one exists,
+	# keeps the packages' postinst from starting the system services: no stray daemon on :6379 / :80, and
+	# redis-server's postinst ends in `invoke-rc.d redis-server start || exit 1`, which fails the whole
+	# install in a container where that start fails. Not root: sudo -n; neither: a note, and the Redis
+	# tests skip.
+	@need=""; for b in $(SYSTEM_PKGS); do command -v $$b >/dev/null || test -x /usr/sbin/$$b || need="$$need $$b"; done; \
+	if [ -n "$$need" ] && command -v apt-get >/dev/null; then \
+	  su=""; if [ "$$(id -u)" != 0 ]; then command -v sudo >/dev/null && su="sudo -n" || { echo "note: run as root: apt-get install$$need"; exit 0; }; fi; \
+	  pol=/usr/sbin/policy-rc.d; tmp=""; \
+	  if [ ! -e $$pol ]; then printf '#!/bin/sh\nexit 101\n' | $$su tee $$pol >/dev/null && $$su chmod 755 $$pol && tmp=1; fi; \
+	  echo "apt-get install$$need"; \
+	  apt="$$su env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends$$need"; \
+	  $$apt >/dev/null || { $$su apt-get update -q >/dev/null && $$apt >/dev/null; }; rc=$$?; \
+	  if [ -n "$$tmp" ]; then $$su rm -f $$pol; fi; exit $$rc; \
+	fi
 	test -x $(PY) || python3 -m venv $(VENV)
 	# CPU torch first: a bare `torch` requirement could pull a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==2.13.0"

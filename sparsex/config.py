@@ -47,6 +47,9 @@ def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 _NOT_IN_KV_KEY = ("approx_prefix", "merge_encodings", "blend", "transparent_segments")
 
 
+STORE_FETCH_MODES = ("auto", "always", "never")
+
+
 def knob(default: Any, help: str, *, advanced: bool = False, choices: Sequence[Any] | None = None,
          ge: float | None = None, le: float | None = None, parse: Callable[[str], Any] | None = None) -> Any:
     """A config field with what the CLI, the HTTP schema and docs/configuration.md derive from it:
@@ -227,6 +230,14 @@ class EngineConfig:
     segment_eviction: str = knob("frequency", "which segment-index entries go first when the KV pool is full: "
                                               "frequency (GreedyDual-Size-Frequency) or lru",
                                  advanced=True, choices=SEGMENT_EVICTION)
+    # tiers below the device for segment entries (sparsex/kvstore/)
+    segment_store: str | None = knob(None, "a store of segment KV shared by replicas: redis://[user:password@]"
+                                           "host:port/db (cache=sparsex; docs/deploy.md)")
+    host_kv_cache_memory: int = knob(0, "bytes of host memory that keep segment entries evicted from the KV pool "
+                                        "(0 = none; CLI: 512M, 2G, ...)", ge=0, parse=parse_bytes)
+    segment_store_fetch: str = knob("auto", "when to fetch a span from the shared store: auto (when cheaper "
+                                            "than recomputing it, as measured), always, never",
+                                    advanced=True, choices=STORE_FETCH_MODES)
     reuse: ReuseConfig | None = dataclasses.field(default=None, metadata={"nested": True})
 
     @classmethod
@@ -264,6 +275,16 @@ class EngineConfig:
         if self.segment_eviction not in SEGMENT_EVICTION:
             raise ValueError(f"segment_eviction must be 'lru' or 'frequency', got {self.segment_eviction!r}")
         verify_device(self.device)
+        if self.segment_store is not None:
+            if not isinstance(self.segment_store, str) or not self.segment_store.startswith(("redis://", "rediss://")):
+                raise ValueError(f"segment_store must be a redis:// or rediss:// URL, got {self.segment_store!r}")
+        if (self.segment_store is not None or self.host_kv_cache_memory) and self.cache != "sparsex":
+            raise ValueError(f"segment_store / host_kv_cache_memory hold segment entries: they need cache='sparsex', "
+                             f"got cache={self.cache!r}")
+        if not isinstance(self.host_kv_cache_memory, int) or self.host_kv_cache_memory < 0:
+            raise ValueError(f"host_kv_cache_memory must be >= 0 bytes, got {self.host_kv_cache_memory!r}")
+        if self.segment_store_fetch not in STORE_FETCH_MODES:
+            raise ValueError(f"segment_store_fetch must be one of {STORE_FETCH_MODES}, got {self.segment_store_fetch!r}")
         if self.warmup not in (None, True, False):
             raise ValueError(f"warmup must be True, False or None (on for CUDA), got {self.warmup!r}")
         self.reuse.verify()

@@ -40,6 +40,23 @@ _COUNTER_FIELDS = {
 }
 
 
+# StoreStats (kvstore/segment_store.py) counters -> (name, tier label, doc): per tier, one metric name
+_STORE_COUNTERS = {
+    "host_hits": ("segment_store_hits", "host", "Segments found in a tier below the device."),
+    "host_misses": ("segment_store_misses", "host", "Segments looked up in a tier below the device and not found."),
+    "host_bytes_out": ("segment_store_read_bytes", "host", "Bytes of KV loaded from a tier into the device pool."),
+    "host_bytes_in": ("segment_store_written_bytes", "host", "Bytes of KV written to a tier."),
+    "remote_hits": ("segment_store_hits", "redis", None),
+    "remote_misses": ("segment_store_misses", "redis", None),
+    "remote_bytes_read": ("segment_store_read_bytes", "redis", None),
+    "remote_bytes_written": ("segment_store_written_bytes", "redis", None),
+    "remote_errors": ("segment_store_errors", "redis", "Store operations that failed (server down, slow or full)."),
+    "remote_corrupt": ("segment_store_corrupt_records", "redis", "Stored records dropped: checksum or format mismatch."),
+    "remote_writes_dropped": ("segment_store_writes_dropped", "redis", "Writes dropped: the write-behind queue was full."),
+}
+_STORE_DECISIONS = {"fetch_decisions": "fetch", "recompute_decisions": "recompute"}
+
+
 @dataclass
 class _Track:
     """Per-request state needed for latency histograms."""
@@ -78,6 +95,21 @@ class ServerMetrics:
                                 lbl + ["reason"], registry=r)
         self.prompt_tokens = Counter(_PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", lbl, registry=r).labels(model_name)
         self.generation_tokens = Counter(_PREFIX + "generation_tokens", "Generated tokens.", lbl, registry=r).labels(model_name)
+        counters: dict[str, Counter] = {}
+        for name, _, doc in _STORE_COUNTERS.values():
+            if doc is not None:
+                counters[name] = Counter(_PREFIX + name, doc, lbl + ["tier"], registry=r)
+        self._store_counters = {field: counters[name].labels(model_name, tier)
+                                for field, (name, tier, _) in _STORE_COUNTERS.items()}
+        decisions = Counter(_PREFIX + "segment_store_decisions",
+                            "Spans the shared store held, by choice: fetch (cheaper than recomputing) or recompute.",
+                            lbl + ["decision"], registry=r)
+        self._store_decisions = {field: decisions.labels(model_name, d) for field, d in _STORE_DECISIONS.items()}
+        self.store_fetch = Counter(_PREFIX + "segment_store_fetch_seconds",
+                                   "Seconds of shared-store round trips on the scheduling path.", lbl,
+                                   registry=r).labels(model_name)
+        self.store_up = Gauge(_PREFIX + "segment_store_up", "1 while the shared store answers, 0 while it is down.",
+                              lbl, registry=r).labels(model_name)
         self._last: dict[str, float] = {}
         self._tracks: dict[str, _Track] = {}
 
@@ -126,6 +158,12 @@ class ServerMetrics:
         for field, counter in self._counters.items():
             self._add_delta(field, getattr(stats, field), counter.inc)
         self._add_delta("selection_seconds", stats.selection_seconds, self.selection.observe)
+        store = stats.store
+        if store is not None:
+            for field, counter in {**self._store_counters, **self._store_decisions}.items():
+                self._add_delta("store." + field, getattr(store, field), counter.inc)
+            self._add_delta("store.fetch_seconds", store.fetch_seconds, self.store_fetch.inc)
+            self.store_up.set(1 if store.remote_up else 0)
 
     def _add_delta(self, key: str, value: float, sink) -> None:
         delta = value - self._last.get(key, 0)

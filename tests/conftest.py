@@ -43,7 +43,7 @@ MODEL_TESTS = {
     "test_workload_bench.py": {"test_stream_end_to_end", "test_peer_vllm_exports_the_workload_and_prints_instructions"},
     "test_loader.py": {"test_qwen_coder_loads"},
 }
-MODEL_MODULES = {"test_gpu_engine.py", "test_readme.py"}               # every test in them loads the model
+MODEL_MODULES = {"test_gpu_engine.py", "test_readme.py", "test_replicas_nginx.py"}  # every test in them loads the model
 BENCH_MODULES = {"test_workload_bench.py"}             # their `model` tests run a workload benchmark
 BENCH_TESTS = {"test_cli.py": {"test_bench_throughput_and_prefill_tiny"}}
 GPU_MODULES = {"test_gpu_engine.py", "test_triton_kernels.py"}
@@ -117,3 +117,14 @@ def wiki_texts():
     from sparsex.bench.datasets import load_wiki_entries
     entries = load_wiki_entries()
     return [e.extract for e in entries if len(e.extract) > 900][:40]
+
+
+@pytest.fixture
+def redis_server():
+    """A real redis-server of this test's own (loopback, free port, persistence off; tests/redis_server.py),
+    stopped after it. Skips where redis-server is not installed (`make install` installs it)."""
+    import redis_server as rs
+    if not rs.available():
+        pytest.skip("redis-server not installed (make install installs it from Debian)")
+    with rs.RedisServer() as server:
+        yield server

@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -29,6 +29,9 @@ from sparsex.segment.reuse_planner import ReusePlanner
 from sparsex.segment.segment_index import SegmentIndex
 from sparsex.segment.segment_registrar import SegmentRegistrar
 from sparsex.segment.span_index import SpanIndex
+
+if TYPE_CHECKING:
+    from sparsex.kvstore.segment_store import StoreStats
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +56,7 @@ class EngineStats:
     transparent_reused_tokens: int = 0   # reused tokens found by content (inside index entries or earlier requests' KV)
     span_search_seconds: float = 0.0     # host seconds finding spans by content (on the TTFT path)
     num_span_anchors: int = 0
+    store: StoreStats | None = None      # the tiers below the device (kvstore), when configured
 
 
 class LLMEngine:
@@ -76,6 +80,14 @@ class LLMEngine:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, loaded, self.max_model_len)
+        self.store = None                # kvstore/segment_store.SegmentStore: host and shared tiers
+        if config.enable_segment_reuse and (config.segment_store or config.host_kv_cache_memory):
+            from sparsex.kvstore.record import model_fingerprint
+            from sparsex.kvstore.segment_store import SegmentStore
+            fingerprint = model_fingerprint(loaded.name, repr(loaded.config), self.runner.model.embed_tokens.weight[:8])
+            self.store = SegmentStore(self.runner, None, fingerprint, host_bytes=config.host_kv_cache_memory,
+                                      url=config.segment_store, fetch=config.segment_store_fetch,
+                                      merge_cap=config.reuse.merge_encodings)
         del loaded
         self._init_cache_state()
         self.warmup_seconds = 0.0
@@ -104,8 +116,12 @@ class LLMEngine:
             self.segment_index = SegmentIndex(self.kv.pool, config.block_size, policy=config.segment_eviction,
                                               spans=self.span_index)
             self.kv.reclaim = self.segment_index.evict_blocks
-            self.planner = ReusePlanner(self.segment_index, self.span_index)
+            self.planner = ReusePlanner(self.segment_index, self.span_index, self.store)
             self.registrar = SegmentRegistrar(self.segment_index, config.block_size, self.runner)
+            if self.store is not None:
+                self.store.reset(self.segment_index)
+                self.segment_index.on_evict = self.store.spill
+                self.registrar.store = self.store
         self.num_recomputed_tokens = 0   # over every blended request (EngineStats.recomputed_tokens)
         self.reused_tokens_by_source: dict[str, int] = {}   # ReusedSpan.source -> tokens, every request
         self.scheduler = Scheduler(config, self.kv, self.planner)
@@ -221,7 +237,13 @@ class LLMEngine:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             touched.append(req)
         if sched.scheduled:
+            t0 = time.perf_counter()
             results = self.runner.execute(sched, overlap=lambda: self._bookkeep(sched))
+            if self.store is not None:
+                # the fetch policy weighs a fetch against recomputing: plain prefill steps say what that costs
+                plain = [s.num_new_tokens for s in sched.scheduled if s.reuse_plan is None and s.num_new_tokens > 1]
+                if sum(plain) >= 64 and len(plain) == len(sched.scheduled):
+                    self.store.policy.observe_prefill(sum(plain), time.perf_counter() - t0)
             now = time.time()
             for s in sched.scheduled:
                 req = s.request
@@ -347,10 +369,21 @@ class LLMEngine:
 
     # ---- cache control and introspection ----------------------------------------------------
     def reset_cache(self) -> None:
-        """Drop every cached block and segment entry not held by a running request."""
+        """Drop every cached block and segment entry not held by a running request, and the host
+        tier (a shared store is left as it is: other replicas use it)."""
         if self.segment_index is not None:
+            spill, self.segment_index.on_evict = self.segment_index.on_evict, None
             self.segment_index.clear()
+            self.segment_index.on_evict = spill
+        if self.store is not None:
+            self.store.reset(self.segment_index)
         self.kv.pool.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Send what the shared store's writer still holds and disconnect (idempotent)."""
+        if self.store is not None:
+            self.store.flush()
+            self.store.close()
 
     def stats(self) -> EngineStats:
         st = EngineStats(
@@ -370,6 +403,8 @@ class LLMEngine:
             st.transparent_reused_tokens = sum(by.get(s, 0) for s in TRANSPARENT_SOURCES)
             st.span_search_seconds = self.span_index.search_seconds
             st.num_span_anchors = self.span_index.num_anchors()
+        if self.store is not None:
+            st.store = self.store.stats()
         return st
 
     def check_integrity(self) -> None:
@@ -385,4 +420,6 @@ class LLMEngine:
             for bid, c in self.segment_index.block_refs().items():
                 refs[bid] = refs.get(bid, 0) + c
             self.segment_index.check_integrity()
+        if self.store is not None:
+            self.store.check_integrity()
         self.kv.pool.check_integrity(refs)

@@ -44,6 +44,11 @@ def _rerotated(k: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> 
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
+def rerotate_keys(k: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Keys [n, kv_heads, D] (any float dtype) rotated by `delta` [n] positions, in float32."""
+    return _rerotated(k.float(), _rotation(delta, inv_freq.to(k.device)))
+
+
 def copy_and_rerotate_torch(
     k_cache: torch.Tensor,          # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,

@@ -75,9 +75,10 @@ class _Pending:
 
 
 class ReusePlanner:
-    def __init__(self, index: SegmentIndex, spans: SpanIndex | None = None):
+    def __init__(self, index: SegmentIndex, spans: SpanIndex | None = None, store=None):
         self.index = index
         self.spans = spans
+        self.store = store        # kvstore.segment_store.SegmentStore: tiers below the device, or None
         self._pending: dict[str, _Pending] = {}
 
     def plan(self, req: Request, num_prefix_hit: int) -> ReusePlan | None:
@@ -92,6 +93,8 @@ class ReusePlanner:
         # evaluation (teacher forcing): the prompt proper ends at the query horizon, so a teacher-
         # forced run plans exactly the hits the plain request plans
         end = req.num_prompt_tokens if req.query_horizon is None else min(req.query_horizon, req.num_prompt_tokens)
+        if self.store is not None and reuse.blend:
+            self._fetch_missing(req, num_prefix_hit, end)
         for span in req.segments:
             if span.start < num_prefix_hit or span.end - span.start < reuse.min_segment_tokens:
                 continue
@@ -156,6 +159,19 @@ class ReusePlanner:
             queried, tuple((h.entry, h.num_tokens) for h in hits if h.entry is not None), skipped)
         req.reuse_plan = plan
         return plan
+
+    def _fetch_missing(self, req: Request, num_prefix_hit: int, end: int) -> None:
+        """Segments of `req` the device does not hold, brought in from the tiers below it (host
+        memory, the shared store) as ordinary entries, before the request is planned."""
+        toks, reuse = req.prompt_token_ids, req.reuse
+        missing = [toks[s.start:s.end] for s in req.segments
+                   if s.start >= num_prefix_hit and s.end - s.start >= reuse.min_segment_tokens and s.end < end
+                   and self.index.lookup(toks[s.start:s.end], req.cache_salt, count=False) is None]
+        if not missing:
+            return
+        for record in self.store.fetch([(m, req.cache_salt) for m in missing]):
+            if record is not None:
+                self.store.install(record)
 
     def admitted(self, req: Request) -> None:
         """The scheduler admitted the request with its plan: count the lookups once, and say why

@@ -54,6 +54,8 @@ class SegmentIndex:
         self.block_size = block_size
         self.policy = policy
         self.entries: dict[bytes, SegmentEntry] = {}
+        # called with each entry about to be evicted, its blocks still readable (kvstore: host tier)
+        self.on_evict: Callable[[SegmentEntry], None] | None = None
         self._clock = itertools.count(1)
         self._gdsf_floor = 0.0
         # counters (tokens / entries)
@@ -166,6 +168,8 @@ class SegmentIndex:
     def _evict(self, entry: SegmentEntry) -> int:
         """`_remove` as an eviction: counted, and (GDSF) the clock rises to the victim's priority."""
         self.num_evicted += 1
+        if self.on_evict is not None:
+            self.on_evict(entry)
         if self.policy == "frequency":
             self._gdsf_floor = max(self._gdsf_floor, entry.priority)
         return self._remove(entry)

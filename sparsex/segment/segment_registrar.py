@@ -36,6 +36,7 @@ class SegmentRegistrar:
         # the model runner: its KV caches, pinned uploader and the model's RoPE frequencies (read at
         # each merge, so a benchmark that swaps the model is followed)
         self.runner = runner
+        self.store = None         # kvstore.segment_store.SegmentStore: new entries and merges go there too
 
     def register(self, req: Request) -> None:
         """Index the request's segments that are not in the index yet (KV already in its blocks),
@@ -57,12 +58,12 @@ class SegmentRegistrar:
             seg = toks[span.start:span.end]
             entry = self.index.lookup(seg, req.cache_salt, count=False)
             if entry is None:
-                self.index.insert(seg, req.cache_salt, req.blocks, span.start)
+                self._publish(self.index.insert(seg, req.cache_salt, req.blocks, span.start))
             elif entry.locks:
                 continue
             elif too_early_for(entry, span.start, reuse):
                 self.index.remove(entry)      # an early encoding, recomputed here with more context
-                self.index.insert(seg, req.cache_salt, req.blocks, span.start)
+                self._publish(self.index.insert(seg, req.cache_salt, req.blocks, span.start))
             elif (exact and span.start >= req.num_cached_tokens and entry.num_encodings < reuse.merge_encodings
                   and early(entry.start_pos, reuse) == early(span.start, reuse)):
                 self._merge(entry, req, span)
@@ -102,6 +103,12 @@ class SegmentRegistrar:
         elif not self.index.copy_on_write(entry, lambda old, new: fold(new)):
             return
         entry.num_encodings += 1
+        if self.store is not None:
+            self.store.publish_merge(entry, req.blocks, span.start)
+
+    def _publish(self, entry: SegmentEntry | None) -> None:
+        if entry is not None and self.store is not None:
+            self.store.publish(entry)
 
 
 def fresh_intervals(start: int, end: int, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:

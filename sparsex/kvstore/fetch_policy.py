@@ -1,0 +1,75 @@
+"""Fetch a span's KV from a store tier only when that is cheaper than recomputing it.
+
+    est_fetch     = latency + bytes / bandwidth            (the tier's measured estimates)
+    est_recompute = tokens / prefill_tokens_per_s          (the engine's measured prefill throughput)
+
+A small model on a fast GPU recomputes a short span faster than a remote store returns it; a large
+model on a CPU does the opposite. Before both sides are measured the policy fetches (optimistic: the
+first fetches are what measure the store).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+FETCH_MODES = ("auto", "always", "never")
+_EWMA_ALPHA = 0.2
+
+
+@dataclass
+class FetchDecision:
+    fetch: bool
+    est_fetch_s: float | None
+    est_recompute_s: float | None
+    reason: str
+
+
+class FetchPolicy:
+    """Fetch a span from a tier only when it is cheaper than recomputing it: est_fetch = latency +
+    bytes / bandwidth vs est_recompute = tokens / prefill_tokens_per_s."""
+
+    def __init__(self, mode: str = "auto"):
+        if mode not in FETCH_MODES:
+            raise ValueError(f"fetch mode must be one of {FETCH_MODES}, got {mode!r}")
+        self.mode = mode
+        self.fetched = 0          # decisions to fetch
+        self.recomputed = 0       # decisions to recompute
+        self._lock = threading.Lock()
+        self._tokens: float | None = None      # EWMAs of tokens and seconds per prefill: their ratio is
+        self._seconds: float | None = None     # the size-weighted throughput
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """Feed one prefill's tokens and seconds (EWMA of the engine's prefill throughput)."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            a = _EWMA_ALPHA
+            self._tokens = tokens if self._tokens is None else (1 - a) * self._tokens + a * tokens
+            self._seconds = seconds if self._seconds is None else (1 - a) * self._seconds + a * seconds
+
+    def prefill_tokens_per_s(self) -> float | None:
+        with self._lock:
+            return None if self._tokens is None else self._tokens / self._seconds
+
+    def decide(self, num_tokens: int, nbytes: int, bandwidth: float | None,
+               latency: float | None) -> FetchDecision:
+        tps = self.prefill_tokens_per_s()
+        est_fetch = None if not bandwidth or bandwidth <= 0 else (latency or 0.0) + nbytes / bandwidth
+        est_recompute = None if tps is None else num_tokens / tps
+        if self.mode == "always":
+            fetch, reason = True, "mode=always"
+        elif self.mode == "never":
+            fetch, reason = False, "mode=never"
+        elif est_fetch is None or est_recompute is None:
+            fetch = True
+            reason = "unmeasured " + ("store bandwidth" if est_fetch is None else "prefill throughput")
+        else:
+            fetch = est_fetch < est_recompute
+            reason = (f"fetch {est_fetch * 1e3:.2f}ms {'<' if fetch else '>='} "
+                      f"recompute {est_recompute * 1e3:.2f}ms")
+        with self._lock:
+            if fetch:
+                self.fetched += 1
+            else:
+                self.recomputed += 1
+        return FetchDecision(fetch, est_fetch, est_recompute, reason)

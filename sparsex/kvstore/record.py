@@ -1,0 +1,153 @@
+"""One segment entry's KV, independent of block ids: the format every tier below the device stores.
+
+A record holds the entry's token ids (verified again on every hit, like a device hit), the position
+its first token was computed at, the number of encodings merged into it, whether it is an explicit
+segment, and the K/V of exactly its tokens in every layer. Serialized it is
+
+    b"SXKV" | u32 header length | header (JSON) | token ids (int32) | K/V bytes
+
+and the header carries an xxh3-64 checksum of everything after it, so a truncated or corrupt value
+is detected and dropped, never loaded.
+
+Keys (`record_key`) name the model fingerprint, the KV dtype, the KV layout version and the tenant,
+so two models, two dtypes or two tenants never meet; the tenant part comes first after the
+namespace (`sparsex:<tenant>:...`) so a Redis ACL can confine a tenant's credentials to its own
+keys (`~sparsex:<tenant>:*`, docs/deploy.md).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+from sparsex.cache.block_hash import hash_segment
+
+MAGIC = b"SXKV"
+# Bump when the K/V layout of a record changes (axis order, what the keys' rotation means, ...):
+# records of another layout version live under other keys and are never read.
+KV_LAYOUT_VERSION = 1
+NAMESPACE = "sparsex"
+_UNSALTED = "shared"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HEADER_LEN = struct.Struct("<I")
+
+
+class CorruptRecord(ValueError):
+    """A stored value that is not a whole, consistent record (truncated, corrupt, or another format)."""
+
+
+@dataclass
+class SegmentRecord:
+    token_ids: np.ndarray              # [n] int32
+    cache_salt: str | None
+    start_pos: int                     # position the first token was computed at (keys rotated for it)
+    num_encodings: int                 # the KV is the mean of this many encodings
+    explicit: bool                     # an explicit segment (prompt piece, ingested passage) or a found stretch
+    kv: torch.Tensor                   # [num_layers, 2, n, num_kv_heads, head_dim], CPU, the model's KV dtype
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if self.kv.dim() != 5 or self.kv.shape[1] != 2 or self.kv.shape[2] != n:
+            raise ValueError(f"kv must be [layers, 2, {n}, kv_heads, head_dim], got {tuple(self.kv.shape)}")
+        if self.num_encodings < 1 or self.start_pos < 0:
+            raise ValueError(f"bad record: start_pos={self.start_pos}, num_encodings={self.num_encodings}")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size() + 4 * self.num_tokens
+
+
+def tenant_tag(cache_salt: str | None) -> str:
+    """The tenant part of a key: "shared" for unsalted content, else the first 16 hex digits of the
+    salt's sha256 (salts are secrets: the key must not show them)."""
+    if cache_salt is None:
+        return _UNSALTED
+    return hashlib.sha256(cache_salt.encode("utf-8")).hexdigest()[:16]
+
+
+def tenant_prefix(cache_salt: str | None) -> str:
+    """`sparsex:<tenant>:`: the key prefix a Redis ACL grants a tenant (`~sparsex:<tenant>:*`)."""
+    return f"{NAMESPACE}:{tenant_tag(cache_salt)}:"
+
+
+def record_key(token_ids, cache_salt: str | None, model_fingerprint: str, dtype: torch.dtype) -> str:
+    """The store key of a segment: tenant, model, dtype, layout version, then the segment hash."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    return (f"{tenant_prefix(cache_salt)}{model_fingerprint}:{dtype_name}:v{KV_LAYOUT_VERSION}:"
+            f"{hash_segment(token_ids, cache_salt).hex()}")
+
+
+def _kv_bytes(kv: torch.Tensor) -> bytes:
+    kv = kv.contiguous()
+    if kv.dtype == torch.bfloat16:
+        kv = kv.view(torch.int16)                 # numpy has no bfloat16: move the bits
+    return kv.numpy().tobytes()
+
+
+def encode(record: SegmentRecord) -> bytes:
+    tokens = np.ascontiguousarray(record.token_ids, dtype=np.int32).tobytes()
+    payload = tokens + _kv_bytes(record.kv)
+    dtype_name = str(record.kv.dtype).removeprefix("torch.")
+    header = json.dumps({
+        "layout": KV_LAYOUT_VERSION, "dtype": dtype_name, "shape": list(record.kv.shape),
+        "num_tokens": record.num_tokens, "start_pos": record.start_pos,
+        "num_encodings": record.num_encodings, "explicit": record.explicit,
+        "cache_salt_tag": tenant_tag(record.cache_salt), "checksum": xxhash.xxh3_64_hexdigest(payload),
+    }, separators=(",", ":")).encode()
+    return MAGIC + _HEADER_LEN.pack(len(header)) + header + payload
+
+
+def decode_header(data: bytes) -> dict:
+    """The header of a serialized record (no checksum check: cheap, for compare-and-set)."""
+    if len(data) < 8 or data[:4] != MAGIC:
+        raise CorruptRecord("not a SparseX KV record")
+    (n,) = _HEADER_LEN.unpack_from(data, 4)
+    if len(data) < 8 + n:
+        raise CorruptRecord("record truncated inside its header")
+    try:
+        return json.loads(data[8:8 + n])
+    except ValueError as e:
+        raise CorruptRecord(f"record header is not JSON ({e})") from e
+
+
+def decode(data: bytes, cache_salt: str | None) -> SegmentRecord:
+    """Parse and check a serialized record; CorruptRecord if anything is off."""
+    header = decode_header(data)
+    payload = data[8 + _HEADER_LEN.unpack_from(data, 4)[0]:]
+    try:
+        if header["layout"] != KV_LAYOUT_VERSION:
+            raise CorruptRecord(f"record layout {header['layout']} (this engine reads {KV_LAYOUT_VERSION})")
+        if xxhash.xxh3_64_hexdigest(payload) != header["checksum"]:
+            raise CorruptRecord("record checksum mismatch (truncated or corrupt)")
+        if header["cache_salt_tag"] != tenant_tag(cache_salt):
+            raise CorruptRecord("record belongs to another tenant")
+        dtype = _DTYPES[header["dtype"]]
+        n, shape = header["num_tokens"], tuple(header["shape"])
+    except (KeyError, TypeError) as e:
+        raise CorruptRecord(f"record header lacks a field ({e})") from e
+    elem = torch.empty((), dtype=dtype).element_size()
+    if len(payload) != 4 * n + int(np.prod(shape)) * elem:
+        raise CorruptRecord("record size does not match its header")
+    tokens = np.frombuffer(payload[:4 * n], dtype=np.int32).copy()
+    raw = np.frombuffer(payload[4 * n:], dtype=np.int16 if dtype == torch.bfloat16 else
+                        {torch.float32: np.float32, torch.float16: np.float16}[dtype]).copy()
+    kv = torch.from_numpy(raw)
+    kv = (kv.view(torch.bfloat16) if dtype == torch.bfloat16 else kv).view(shape)
+    return SegmentRecord(tokens, cache_salt, header["start_pos"], header["num_encodings"], header["explicit"], kv)
+
+
+def model_fingerprint(name: str, config_repr: str, probe: torch.Tensor) -> str:
+    """16 hex digits naming a model: its name, its architecture config and a sample of its weights
+    (two checkpoints of one architecture differ there), so records of two models never meet."""
+    h = hashlib.sha256(name.encode() + b"\x00" + config_repr.encode() + b"\x00")
+    h.update(probe.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]

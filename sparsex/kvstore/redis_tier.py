@@ -1,0 +1,336 @@
+"""The Redis tier of the segment store: records (`record.py`) shared by every replica.
+
+Reads are synchronous and batched: `get_many` asks for all of a request's spans in one MGET. Writes
+are write-behind: `put`, `merge` and the DEL of a corrupt value go to a queue that one background
+thread sends, so a slow or dead server never delays a request. The tier never raises for server
+trouble: a connection error, a timeout or a refused command (wrong password, ACL) is counted, the
+tier is marked down for `reconnect_s` (reads return misses at once, writes are dropped and counted)
+and then tried again; redis-py's pool opens a new connection, so a restarted server serves again.
+
+Timings of the reads feed two estimates the fetch policy (`fetch_policy.py`) weighs against
+recomputing a span: the round-trip latency (EWMA over reads that moved little data) and the
+bandwidth (size-weighted EWMA over reads that returned data, their latency taken out).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+from urllib.parse import parse_qsl, urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+log = logging.getLogger(__name__)
+
+_SCHEMES = ("redis", "rediss")
+_EWMA_ALPHA = 0.2
+# A read that moved less than this is a latency sample (a round trip with next to no payload).
+_SMALL_READ_BYTES = 16 << 10
+# A merge's queued size (its value is made in the writer thread) and a DEL's, beyond the key.
+_OP_OVERHEAD_BYTES = 64
+_CAS_MAX_ATTEMPTS = 64
+
+
+@dataclass(frozen=True)
+class RedisTierStats:
+    gets: int = 0                 # keys asked for (get_many); gets == hits + misses
+    hits: int = 0
+    misses: int = 0               # includes the keys of reads that failed or were skipped while down
+    errors: int = 0               # failed round trips (reads and writes): connection, timeout, auth, ACL
+    corrupt: int = 0              # values the caller found corrupt (count_corrupt)
+    bytes_read: int = 0
+    bytes_written: int = 0        # values sent by SET (puts that an NX found present count too)
+    writes_dropped: int = 0       # puts/merges/deletes not done: queue full, tier down, failed, CAS gave up
+    cas_retries: int = 0          # merge attempts lost to a concurrent writer (WatchError), retried
+    fetch_seconds_total: float = 0.0
+    up: bool = True               # the last round trip succeeded (or none failed yet)
+
+
+def _redact(url: str) -> str:
+    """The url without its password (error messages and logs must not show it)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable url>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=f"{user}:***@{host}").geturl()
+
+
+def parse_url(url: str) -> dict:
+    """Check a `redis://[user:password@]host:port/db` url (or rediss://, optionally ?ssl_...=...);
+    ValueError naming it (password hidden) if bad. A password with special characters is %-encoded."""
+    shown = _redact(url) if isinstance(url, str) else repr(url)
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"bad Redis url {shown}: expected redis://[user:password@]host:port/db")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise ValueError(f"bad Redis url {shown}: {e}") from None
+    if parts.scheme not in _SCHEMES:
+        raise ValueError(f"bad Redis url {shown}: scheme must be one of {', '.join(s + '://' for s in _SCHEMES)}")
+    if not parts.hostname:
+        raise ValueError(f"bad Redis url {shown}: no host")
+    db = parts.path.strip("/") or "0"
+    if not db.isdigit():
+        raise ValueError(f"bad Redis url {shown}: the path must be a database number, got {parts.path!r}")
+    if parts.fragment:
+        raise ValueError(f"bad Redis url {shown}: no '#' part is taken")
+    # The tier sets its own timeouts and retries (redis-py lets url options override them); rediss://
+    # may carry TLS options (?ssl_cert_reqs=none, ?ssl_ca_certs=/path).
+    options = parse_qsl(parts.query, keep_blank_values=True)
+    bad = [name for name, _ in options if parts.scheme != "rediss" or not name.startswith("ssl_")]
+    if bad:
+        raise ValueError(f"bad Redis url {shown}: options {bad} are not taken (rediss:// takes ssl_* options)")
+    return {"scheme": parts.scheme, "host": parts.hostname, "port": port or 6379, "db": int(db),
+            "username": parts.username or None, "password": parts.password}
+
+
+def _ewma(old: float | None, sample: float) -> float:
+    return sample if old is None else (1 - _EWMA_ALPHA) * old + _EWMA_ALPHA * sample
+
+
+class RedisTier:
+    """One replica's client of the shared Redis store (thread-safe; one writer thread)."""
+
+    def __init__(self, url: str, *, timeout_s: float = 0.5, max_pending_bytes: int = 256 << 20,
+                 reconnect_s: float = 1.0):
+        self.url = url
+        parsed = parse_url(url)
+        if timeout_s <= 0 or reconnect_s < 0 or max_pending_bytes < 0:
+            raise ValueError(f"need timeout_s > 0, reconnect_s >= 0, max_pending_bytes >= 0; got "
+                             f"{timeout_s}, {reconnect_s}, {max_pending_bytes}")
+        self.where = f"{parsed['host']}:{parsed['port']}/{parsed['db']}"      # for logs: no password
+        self.timeout_s = timeout_s
+        self.max_pending_bytes = max_pending_bytes
+        self.reconnect_s = reconnect_s
+        # No retries inside redis-py (its default retries a failed command 3 times with backoff): a
+        # read must cost at most one timeout; the down window is the retry policy.
+        self._client = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+
+        self._lock = threading.Lock()
+        self._c = {"gets": 0, "hits": 0, "misses": 0, "errors": 0, "corrupt": 0, "bytes_read": 0,
+                   "bytes_written": 0, "writes_dropped": 0, "cas_retries": 0}
+        self._fetch_seconds = 0.0
+        self._up = True
+        self._down_until = 0.0                  # time.monotonic() before which no round trip is tried
+        self._latency: float | None = None
+        self._bw_bytes: float | None = None     # EWMAs of bytes and transfer seconds: their ratio is the
+        self._bw_seconds: float | None = None   # size-weighted bandwidth
+
+        self._queue: queue.Queue = queue.Queue()
+        self._pending_bytes = 0
+        self._pending_ops = 0                   # queued + the one being sent
+        self._idle = threading.Condition(self._lock)
+        self._closed = False
+        self._writer = threading.Thread(target=self._write_loop, name=f"sparsex-redis-writer[{self.where}]",
+                                        daemon=True)
+        self._writer.start()
+
+    # ---- health -------------------------------------------------------------------------------
+    def _is_down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def _failed(self, what: str, e: BaseException) -> None:
+        with self._lock:
+            self._c["errors"] += 1
+            was_up, self._up = self._up, False
+            self._down_until = time.monotonic() + self.reconnect_s
+        if was_up:
+            log.warning("Redis tier %s: %s failed (%s: %s); down, retrying in %.1fs",
+                        self.where, what, type(e).__name__, e, self.reconnect_s)
+
+    def _succeeded(self) -> None:
+        if not self._up:
+            log.info("Redis tier %s: serving again", self.where)
+        self._up = True
+
+    # ---- reads --------------------------------------------------------------------------------
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        """One round trip (MGET) for a request's spans; all None (never an exception) on server trouble."""
+        keys = list(keys)
+        if not keys:
+            return []
+        values: list[bytes | None] | None = None
+        if not self._is_down():
+            t0 = time.perf_counter()
+            try:
+                values = self._client.mget(keys)
+            except (redis.RedisError, OSError) as e:
+                self._failed("MGET", e)
+            else:
+                self._observe(time.perf_counter() - t0, values)
+        if values is None:
+            with self._lock:
+                self._c["gets"] += len(keys)
+                self._c["misses"] += len(keys)
+            return [None] * len(keys)
+        return values
+
+    def _observe(self, seconds: float, values: list[bytes | None]) -> None:
+        nbytes = sum(len(v) for v in values if v is not None)
+        hits = sum(v is not None for v in values)
+        with self._lock:
+            self._succeeded()
+            self._c["gets"] += len(values)
+            self._c["hits"] += hits
+            self._c["misses"] += len(values) - hits
+            self._c["bytes_read"] += nbytes
+            self._fetch_seconds += seconds
+            if nbytes < _SMALL_READ_BYTES or self._latency is None:
+                # The first read seeds the latency even when large (an overestimate the next small
+                # read corrects; a store's first reads are mostly misses anyway).
+                self._latency = _ewma(self._latency, seconds if nbytes < _SMALL_READ_BYTES
+                                      else seconds / 2)
+            if nbytes > 0:
+                transfer = max(seconds - self._latency, seconds / 2)
+                self._bw_bytes = _ewma(self._bw_bytes, float(nbytes))
+                self._bw_seconds = _ewma(self._bw_seconds, transfer)
+
+    def bandwidth(self) -> float | None:
+        """Bytes/s of reads that returned data (size-weighted EWMA, latency excluded); None before any."""
+        with self._lock:
+            if self._bw_bytes is None or not self._bw_seconds:
+                return None
+            return self._bw_bytes / self._bw_seconds
+
+    def latency(self) -> float | None:
+        """Seconds per round trip (EWMA); None before any successful read."""
+        return self._latency
+
+    # ---- writes (write-behind) ----------------------------------------------------------------
+    def _enqueue(self, op: tuple, nbytes: int) -> None:
+        with self._lock:
+            if self._closed or self._is_down() or self._pending_bytes + nbytes > self.max_pending_bytes:
+                self._c["writes_dropped"] += 1
+                return
+            self._pending_bytes += nbytes
+            self._pending_ops += 1
+        self._queue.put((op, nbytes))
+
+    def put(self, key: str, value: bytes, *, only_if_absent: bool = True) -> None:
+        """Queue a SET (NX when only_if_absent) and return at once; dropped and counted if the queue is full."""
+        value = value if isinstance(value, bytes) else bytes(value)
+        self._enqueue(("set", key, value, only_if_absent), len(key) + len(value))
+
+    def merge(self, key: str, update: Callable[[bytes | None], bytes | None]) -> None:
+        """Queue a compare-and-set: the writer WATCHes key, GETs it, writes update(current) in MULTI/EXEC
+        (nothing when it returns None), and retries on a concurrent write, so no update is lost.
+        `update` runs in the writer thread and may run more than once."""
+        self._enqueue(("merge", key, update), len(key) + _OP_OVERHEAD_BYTES)
+
+    def count_corrupt(self, key: str | None = None) -> None:
+        """The caller found a value that failed record.decode: count it, and (given its key) queue a DEL
+        so it is not fetched again."""
+        with self._lock:
+            self._c["corrupt"] += 1
+        if key is not None:
+            self._enqueue(("del", key), len(key) + _OP_OVERHEAD_BYTES)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            op, nbytes = item
+            try:
+                if self._is_down():
+                    with self._lock:
+                        self._c["writes_dropped"] += 1
+                else:
+                    self._send(op)
+            except Exception:                     # noqa: BLE001 - a caller's update() raising, a bug here
+                log.exception("Redis tier %s: %s of %r failed", self.where, op[0], op[1])
+                with self._lock:
+                    self._c["writes_dropped"] += 1
+            finally:
+                with self._lock:
+                    self._pending_bytes -= nbytes
+                    self._pending_ops -= 1
+                    if self._pending_ops == 0:
+                        self._idle.notify_all()
+
+    def _send(self, op: tuple) -> None:
+        kind, key = op[0], op[1]
+        try:
+            if kind == "set":
+                self._client.set(key, op[2], nx=op[3])
+                written = len(op[2])
+            elif kind == "del":
+                self._client.delete(key)
+                written = 0
+            else:
+                written = self._cas(key, op[2])
+        except (redis.RedisError, OSError) as e:
+            self._failed(kind.upper(), e)
+            with self._lock:
+                self._c["writes_dropped"] += 1
+            return
+        with self._lock:
+            self._succeeded()
+            self._c["bytes_written"] += written
+
+    def _cas(self, key: str, update: Callable[[bytes | None], bytes | None]) -> int:
+        with self._client.pipeline(transaction=True) as pipe:
+            for attempt in range(_CAS_MAX_ATTEMPTS):
+                try:
+                    pipe.watch(key)
+                    new = update(pipe.get(key))
+                    if new is None:
+                        pipe.unwatch()
+                        return 0
+                    pipe.multi()
+                    pipe.set(key, new)
+                    pipe.execute()
+                    return len(new)
+                except redis.WatchError:
+                    with self._lock:
+                        self._c["cas_retries"] += 1
+                    pipe.reset()
+                    time.sleep(random.uniform(0, 0.001 * min(attempt + 1, 8)))   # de-synchronize rivals
+        log.warning("Redis tier %s: merge of %r gave up after %d conflicting attempts",
+                    self.where, key, _CAS_MAX_ATTEMPTS)
+        with self._lock:
+            self._c["writes_dropped"] += 1
+        return 0
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every queued write was sent (or dropped); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._pending_ops:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self) -> None:
+        """Send what is queued (each write bounded by the timeout; dropped while down), stop the writer,
+        close the connections. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.put(None)
+        self._writer.join(timeout=max(5.0, 4 * self.timeout_s))
+        self._client.close()
+
+    # ---- metrics ------------------------------------------------------------------------------
+    def stats(self) -> RedisTierStats:
+        with self._lock:
+            return RedisTierStats(**self._c, fetch_seconds_total=self._fetch_seconds, up=self._up)
+
+    def __repr__(self) -> str:
+        return f"RedisTier({_redact(self.url)})"

@@ -1,0 +1,279 @@
+"""The tiers below the device KV pool for segment entries, and the moves between them.
+
+  device  the segment index's entries (blocks of the KV pool);
+  host    `host_tier.HostTier`: an entry evicted from the pool is copied here first (`spill`) and comes
+          back on a later hit (`fetch` + `install`): on the CPU this extends the pool, on a GPU it keeps
+          KV that device memory had to drop;
+  remote  `redis_tier.RedisTier`: a store shared by every replica. An explicit segment a replica
+          computes is written there (`publish`, write-behind: serialised and sent by a worker thread,
+          off the TTFT path), an encoding it merges is folded into the stored record by
+          compare-and-set (`publish_merge`: concurrent merges from several replicas lose no update),
+          and a replica that misses locally looks the request's spans up there in one round trip.
+
+A hit below the device becomes an ordinary segment entry (`install`: blocks from the pool, K/V of
+every layer written, indexed, also for transparent reuse) before the request is planned, so
+blending is unchanged. Token ids are verified on every hit, records are checksummed
+(`record.decode`), and keys carry the tenant, model, dtype and layout (`record.record_key`).
+
+Fetch or recompute: a remote fetch is taken only when `fetch_policy.FetchPolicy` expects it to be
+cheaper than recomputing the span (bytes / measured store bandwidth + round trip, against tokens /
+measured prefill throughput); the decisions are counted.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sparsex.kvstore.fetch_policy import FetchPolicy
+from sparsex.kvstore.host_tier import HostTier
+from sparsex.kvstore.record import CorruptRecord, SegmentRecord, decode, encode, record_key
+from sparsex.layers.triton_rerotate import rerotate_keys
+from sparsex.segment.segment_index import SegmentEntry, SegmentIndex
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StoreStats:
+    host_hits: int = 0
+    host_misses: int = 0
+    host_bytes_in: int = 0
+    host_bytes_out: int = 0
+    host_used_bytes: int = 0
+    remote_hits: int = 0
+    remote_misses: int = 0
+    remote_errors: int = 0
+    remote_corrupt: int = 0
+    remote_bytes_read: int = 0
+    remote_bytes_written: int = 0
+    remote_writes_dropped: int = 0
+    remote_up: bool = True
+    fetch_seconds: float = 0.0         # remote round trips on the scheduling path
+    fetch_decisions: int = 0           # spans fetched from the remote store
+    recompute_decisions: int = 0       # spans the fetch policy left to recompute
+    installed_tokens: int = 0          # tokens brought back into the device pool from a tier
+
+
+class SegmentStore:
+    def __init__(self, runner, index: SegmentIndex, model_fingerprint: str, *, host_bytes: int = 0,
+                 url: str | None = None, fetch: str = "auto", merge_cap: int = 4):
+        self.runner = runner
+        self.index = index
+        self.fingerprint = model_fingerprint
+        self.merge_cap = merge_cap
+        self.host = HostTier(host_bytes, pin=runner.device.type == "cuda") if host_bytes > 0 else None
+        self.remote = None
+        if url:
+            from sparsex.kvstore.redis_tier import RedisTier
+            self.remote = RedisTier(url)
+        self.policy = FetchPolicy(fetch)
+        self.fetch_seconds = 0.0
+        self.installed_tokens = 0
+        cfg = runner.model_config
+        # bytes of one token's KV over every layer: what a record of n tokens carries
+        self.bytes_per_token = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+                                * torch.empty((), dtype=runner.dtype).element_size())
+        self._jobs: queue.Queue | None = None
+        self._worker: threading.Thread | None = None
+        if self.remote is not None:
+            self._jobs = queue.Queue()
+            self._worker = threading.Thread(target=self._work, name="sparsex-store-writer", daemon=True)
+            self._worker.start()
+
+    def reset(self, index: SegmentIndex) -> None:
+        """A new (or cleared) segment index: follow it; the host tier starts empty."""
+        self.index = index
+        if self.host is not None:
+            self.host = HostTier(self.host.capacity, pin=self.host.pin)
+
+    # ---- keys and device <-> record ------------------------------------------------------------
+    def key(self, token_ids, cache_salt: str | None) -> str:
+        return record_key(token_ids, cache_salt, self.fingerprint, self.runner.dtype)
+
+    def _slots(self, blocks, start_pos: int, n: int, block0: int) -> torch.Tensor:
+        bs = self.index.block_size
+        ids = np.fromiter((b.block_id for b in blocks), dtype=np.int64, count=len(blocks))
+        pos = np.arange(start_pos, start_pos + n)
+        return torch.from_numpy(ids[pos // bs - block0] * bs + pos % bs).to(self.runner.device)
+
+    def _gather(self, blocks, start_pos: int, n: int, block0: int) -> torch.Tensor:
+        """K/V of positions start_pos.. held by `blocks` (blocks[0] is block `block0`), every layer:
+        [layers, 2, n, kv_heads, head_dim], a copy on the KV's device."""
+        slots = self._slots(blocks, start_pos, n, block0)
+        return torch.stack([torch.stack([c.view(-1, *c.shape[2:]).index_select(0, slots) for c in kv])
+                            for kv in self.runner.kv_caches])
+
+    def _record(self, entry: SegmentEntry, kv: torch.Tensor) -> SegmentRecord:
+        return SegmentRecord(np.frombuffer(entry.tokens, dtype=np.int32).copy(), entry.cache_salt,
+                             entry.start_pos, entry.num_encodings, entry.explicit, kv)
+
+    # ---- device -> tiers -----------------------------------------------------------------------
+    def spill(self, entry: SegmentEntry) -> None:
+        """`SegmentIndex.on_evict`: keep an evicted entry's KV in the host tier."""
+        if self.host is None:
+            return
+        kv = self._gather(entry.blocks, entry.start_pos, len(entry), entry.start_pos // self.index.block_size)
+        self.host.put(self.key(entry.tokens, entry.cache_salt), self._record(entry, kv.cpu()))
+
+    def publish(self, entry: SegmentEntry) -> None:
+        """A new explicit entry: write it to the shared store unless a record is there already. The
+        K/V are copied on the device now (the blocks may be reused later); serialising and sending
+        happen in the writer thread."""
+        if self.remote is None or not entry.explicit:
+            return
+        kv = self._gather(entry.blocks, entry.start_pos, len(entry), entry.start_pos // self.index.block_size)
+        self._jobs.put(("put", self.key(entry.tokens, entry.cache_salt), self._record(entry, kv)))
+
+    def publish_merge(self, entry: SegmentEntry, blocks, start: int) -> None:
+        """This replica computed another exact encoding of `entry`'s tokens at position `start` (its
+        KV in `blocks`, which cover the request from position 0): fold it into the stored record."""
+        if self.remote is None or not entry.explicit:
+            return
+        fresh = self._gather(blocks, start, len(entry), 0)
+        record = SegmentRecord(np.frombuffer(entry.tokens, dtype=np.int32).copy(), entry.cache_salt, start, 1,
+                               True, fresh)
+        self._jobs.put(("merge", self.key(entry.tokens, entry.cache_salt), record))
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                kind, key, record = job
+                record.kv = record.kv.cpu()
+                if kind == "put":
+                    self.remote.put(key, encode(record), only_if_absent=True)
+                else:
+                    self.remote.merge(key, lambda current, r=record: self._merged(current, r))
+            except Exception:                       # a bad job must not stop the writer
+                logger.exception("segment store writer failed on a job")
+            finally:
+                self._jobs.task_done()
+
+    def _merged(self, current: bytes | None, fresh: SegmentRecord) -> bytes | None:
+        """The stored record with `fresh` (one encoding) folded in: keys re-rotated to the record's
+        positions, the running mean over num_encodings + 1; None (leave it) at the merge cap."""
+        if current is None:
+            return encode(fresh)
+        try:
+            cur = decode(current, fresh.cache_salt)
+        except CorruptRecord:
+            self.remote.count_corrupt()
+            return encode(fresh)
+        if cur.num_encodings >= self.merge_cap or not np.array_equal(cur.token_ids, fresh.token_ids):
+            return None
+        inv_freqs = [f.cpu() for f in self.runner.model.layer_inv_freqs()]
+        delta = torch.full((fresh.num_tokens,), cur.start_pos - fresh.start_pos, dtype=torch.int64)
+        # no in-place change of `fresh`: a compare-and-set retry calls this again with the same record
+        keys = torch.stack([rerotate_keys(fresh.kv[layer, 0], delta, f) for layer, f in enumerate(inv_freqs)])
+        new = torch.stack([keys, fresh.kv[:, 1].float()], dim=1)         # [layers, 2, n, kv_heads, head_dim]
+        mean = torch.lerp(cur.kv.float(), new, 1.0 / (cur.num_encodings + 1)).to(cur.kv.dtype)
+        return encode(SegmentRecord(cur.token_ids, cur.cache_salt, cur.start_pos, cur.num_encodings + 1,
+                                    cur.explicit, mean))
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued write reached the store (tests, shutdown)."""
+        if self._jobs is None:
+            return True
+        deadline = time.monotonic() + timeout_s
+        while self._jobs.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return not self._jobs.unfinished_tasks and self.remote.flush(max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        if self._jobs is not None:
+            self._jobs.put(None)
+            self._worker.join(timeout=5)
+            self._jobs = None
+        if self.remote is not None:
+            self.remote.close()
+
+    # ---- tiers -> device -----------------------------------------------------------------------
+    def fetch(self, spans: list[tuple[list[int], str | None]]) -> list[SegmentRecord | None]:
+        """Records of the segments `spans` (token ids, salt) that a tier holds: the host tier first,
+        then one remote round trip for the rest that the fetch policy finds cheaper to fetch than to
+        recompute. Token ids are verified; a corrupt record is dropped (and counted)."""
+        out: list[SegmentRecord | None] = [None] * len(spans)
+        keys = [self.key(toks, salt) for toks, salt in spans]
+        if self.host is not None:
+            for i, ((toks, _), key) in enumerate(zip(spans, keys)):
+                record = self.host.get(key)
+                if record is not None and np.array_equal(record.token_ids, np.asarray(toks, dtype=np.int32)):
+                    out[i] = self.host.pop(key)
+        if self.remote is None:
+            return out
+        wanted = []
+        for i, (toks, _) in enumerate(spans):
+            if out[i] is not None:
+                continue
+            decision = self.policy.decide(len(toks), len(toks) * self.bytes_per_token,
+                                          self.remote.bandwidth(), self.remote.latency())
+            if decision.fetch:
+                wanted.append(i)
+        if not wanted:
+            return out
+        t0 = time.perf_counter()
+        values = self.remote.get_many([keys[i] for i in wanted])
+        for i, value in zip(wanted, values):
+            if value is None:
+                continue
+            try:
+                record = decode(value, spans[i][1])
+            except CorruptRecord as e:
+                logger.warning("dropping a corrupt segment record %s: %s", keys[i], e)
+                self.remote.count_corrupt(keys[i])            # counted, and deleted from the store
+                continue
+            if np.array_equal(record.token_ids, np.asarray(spans[i][0], dtype=np.int32)):
+                out[i] = record
+        self.fetch_seconds += time.perf_counter() - t0
+        return out
+
+    def install(self, record: SegmentRecord) -> SegmentEntry | None:
+        """Make `record` a segment entry: blocks from the pool's free queue (None, nothing changed,
+        when it is short: a fetch never evicts what the device holds), K/V of every layer written."""
+        bs = self.index.block_size
+        first, last = record.start_pos // bs, (record.start_pos + record.num_tokens - 1) // bs
+        pool = self.index.pool
+        if pool.num_free_blocks < last - first + 1:
+            return None
+        blocks = pool.get_new_blocks(last - first + 1)
+        slots = self._slots(blocks, record.start_pos, record.num_tokens, first)
+        kv = record.kv.to(self.runner.device, non_blocking=True)
+        for (k_cache, v_cache), layer in zip(self.runner.kv_caches, kv):
+            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, layer[0])
+            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, layer[1])
+        entry = self.index.insert(record.token_ids.tolist(), record.cache_salt, [None] * first + blocks,
+                                  record.start_pos, explicit=record.explicit)
+        pool.free_blocks(list(reversed(blocks)))          # the entry holds them now
+        if entry is None:
+            return None
+        entry.num_encodings = record.num_encodings
+        self.installed_tokens += record.num_tokens
+        return entry
+
+    # ---- accounting ----------------------------------------------------------------------------
+    def stats(self) -> StoreStats:
+        st = StoreStats(fetch_seconds=self.fetch_seconds, fetch_decisions=self.policy.fetched,
+                        recompute_decisions=self.policy.recomputed, installed_tokens=self.installed_tokens)
+        if self.host is not None:
+            h = self.host.stats()
+            st.host_hits, st.host_misses, st.host_bytes_in, st.host_bytes_out, st.host_used_bytes = (
+                h.hits, h.misses, h.bytes_in, h.bytes_out, h.used_bytes)
+        if self.remote is not None:
+            r = self.remote.stats()
+            st.remote_hits, st.remote_misses, st.remote_errors, st.remote_corrupt = r.hits, r.misses, r.errors, r.corrupt
+            st.remote_bytes_read, st.remote_bytes_written, st.remote_writes_dropped = (
+                r.bytes_read, r.bytes_written, r.writes_dropped)
+            st.remote_up = r.up
+        return st
+
+    def check_integrity(self) -> None:
+        if self.host is not None:
+            self.host.check_integrity()
