@@ -103,3 +103,27 @@ def test_without_a_host_tier_evicted_entries_are_gone(passages):
         LLM(cache="prefix", host_kv_cache_memory=1 << 20)
     with pytest.raises(ValueError, match="redis://"):
         LLM(segment_store="http://localhost:6379")
+
+
+def test_prometheus_counts_each_tier_and_the_fetch_decisions():
+    from sparsex.engine.llm_engine import EngineStats
+    from sparsex.kvstore.segment_store import StoreStats
+    from sparsex.metrics import ServerMetrics
+    m = ServerMetrics("m")
+    base = dict(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_blocks=1, prefix_cache_queries=0,
+                prefix_cache_hits=0, approx_prefix_hits=0, num_preemptions=0)
+    m.on_stats(EngineStats(**base, store=StoreStats(host_hits=3, remote_hits=2, remote_misses=5, remote_bytes_read=1000,
+                                                    fetch_decisions=4, recompute_decisions=1, fetch_seconds=0.5,
+                                                    remote_up=False)))
+    m.on_stats(EngineStats(**base, store=StoreStats(host_hits=4, remote_hits=2, remote_misses=5, remote_bytes_read=1000,
+                                                    fetch_decisions=4, recompute_decisions=3, fetch_seconds=0.75)))
+    text = m.render().decode()
+    for line in ('sparsex:segment_store_hits_total{model_name="m",tier="host"} 4.0',
+                 'sparsex:segment_store_hits_total{model_name="m",tier="redis"} 2.0',
+                 'sparsex:segment_store_misses_total{model_name="m",tier="redis"} 5.0',
+                 'sparsex:segment_store_read_bytes_total{model_name="m",tier="redis"} 1000.0',
+                 'sparsex:segment_store_decisions_total{decision="fetch",model_name="m"} 4.0',
+                 'sparsex:segment_store_decisions_total{decision="recompute",model_name="m"} 3.0',
+                 'sparsex:segment_store_fetch_seconds_total{model_name="m"} 0.75',
+                 'sparsex:segment_store_up{model_name="m"} 1.0'):
+        assert line in text, line

@@ -283,6 +283,7 @@ class AsyncLLM:
             leftover = self._drain_inbox()
         for cmd in leftover:
             self._refuse(cmd, EngineClosedError("the engine has shut down"))
+        engine.close()                      # the shared store's queued writes go out before the process ends
 
     def _take(self, block: bool) -> list[Any]:
         cmds = [self._inbox.get()] if block else []
