@@ -18,6 +18,7 @@ from sparsex import LLM, SamplingParams
 from sparsex.bench.fidelity import pieces_prompt, run_to_completion
 from sparsex.layers.triton_rerotate import copy_and_rerotate_all_layers_torch
 from sparsex.models.model_config import ModelConfig
+from test_hf_parity import _hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
 ONE = SamplingParams(temperature=0.0, max_tokens=1)
@@ -97,17 +98,6 @@ def prompts(smollm2, wiki_texts):
     tok = smollm2.tokenizer
     texts = ["The capital of France is", wiki_texts[0][:500], " ".join(wiki_texts[1:3])[:1400]]
     return [tok.encode(t) for t in texts]                 # ~6, ~110, ~300 tokens: past every window
-
-
-@torch.no_grad()
-def _hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
-    inp = torch.tensor([ids])
-    out = model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    gen = out[0, len(ids):].tolist()
-    logits = model(out).logits[0, len(ids) - 1:-1].float()          # [n, vocab]: position t predicts gen[t]
-    lps = torch.log_softmax(logits, -1).gather(1, torch.tensor(gen)[:, None])[:, 0]
-    return gen, lps.tolist()
 
 
 def test_config_switches_are_read(family):
