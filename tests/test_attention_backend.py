@@ -284,17 +284,6 @@ def test_window_reads_no_key_before_it(monkeypatch, native, native_multi, masked
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
 
 
-def test_triton_backend_rejects_window_and_softcap():
-    """No Triton kernel for them yet: the GPU backend says so instead of ignoring them."""
-    pytest.importorskip("triton")
-    from sparsex.layers.triton_attention import TritonAttentionBackend
-
-    md, _, k_cache, v_cache, query = _mixed_step(torch.float32)
-    for kwargs in (dict(sliding_window=8), dict(logits_soft_cap=30.0)):
-        with pytest.raises(NotImplementedError, match="sliding-window / softcapped"):
-            TritonAttentionBackend.attention(query, k_cache, v_cache, md, 0.3, **kwargs)
-
-
 def test_select_rows_gets_a_fresh_plan():
     g = torch.Generator().manual_seed(1)
     md = _metadata([list(range(20))], [20], [[3, 1, 0, 4, 2]])

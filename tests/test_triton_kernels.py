@@ -222,6 +222,258 @@ def test_store_kv(device, dtype):
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
+# ---- sliding window and softcapped logits (Gemma 2/3, Mistral) ---------------------------------------
+# fp32 and fp16 run everywhere (the interpreter too); bf16 only on CUDA: the Triton 3.9 interpreter's
+# bf16 tl.dot returns garbage (the bf16 cases of the tests above fail under it as well)
+WINDOW_DTYPES = [torch.float32, torch.float16,
+                 pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+                     not torch.cuda.is_available(), reason="bf16 tl.dot is broken in the Triton interpreter"))]
+
+
+def dense_reference(query, k_cache, v_cache, md, scale, window=None, cap=None) -> torch.Tensor:
+    """HF eager attention in float64, per sequence: scores s = q.k * scale, softcapped to
+    cap * tanh(s / cap), keys j > i (and, with a window, j <= i - window) at -inf, softmax, P.V."""
+    num_kv_heads, head_dim, bs = k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
+    group = query.shape[1] // num_kv_heads
+    k_flat = k_cache.cpu().double().reshape(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.cpu().double().reshape(-1, num_kv_heads, head_dim)
+    q_all, positions, tables = query.cpu().double(), md.positions.cpu(), md.block_tables.cpu().long()
+    out = torch.zeros(q_all.shape, dtype=torch.float64)
+    cu = md.cu_seqlens_q_cpu
+    for s in range(md.num_seqs):
+        if cu[s + 1] == cu[s]:
+            continue
+        pos = positions[cu[s]:cu[s + 1]]                                      # [rows]
+        keys = torch.arange(int(pos.max()) + 1)
+        slots = tables[s, keys // bs] * bs + keys % bs
+        k = k_flat[slots].repeat_interleave(group, dim=1)                     # [n, H, D]
+        v = v_flat[slots].repeat_interleave(group, dim=1)
+        att = torch.einsum("thd,nhd->thn", q_all[cu[s]:cu[s + 1]], k) * scale  # [rows, H, n]
+        if cap is not None:
+            att = cap * torch.tanh(att / cap)
+        hidden = keys[None, None, :] > pos[:, None, None]
+        if window is not None:
+            hidden |= keys[None, None, :] <= pos[:, None, None] - window
+        out[cu[s]:cu[s + 1]] = torch.einsum("thn,nhd->thd", att.masked_fill(hidden, float("-inf")).softmax(-1), v)
+    return out
+
+
+def check_window(seqs, heads, head_dim, dtype, device, contiguous, window, cap, decode_splits=None, scale=None,
+                 poison=False):
+    """The kernels (prefill from the paged cache and from a gathered copy, or decode with each split
+    count) and the backend's dispatch against the dense reference. `poison`: NaN in every key and value
+    before the window of every row of its sequence first, so that reading one shows."""
+    from sparsex.layers import triton_attention as ta
+
+    query, k_cache, v_cache, md = make_batch(seqs, heads[0], heads[1], head_dim, 16, dtype, device, contiguous)
+    scale = head_dim ** -0.5 if scale is None else scale
+    ref = dense_reference(query, k_cache, v_cache, md, scale, window, cap)
+    if poison and window is not None:
+        cu = md.cu_seqlens_q_cpu
+        for s in range(md.num_seqs):
+            if cu[s + 1] == cu[s]:
+                continue
+            first = int(md.positions[cu[s]:cu[s + 1]].min()) + 1 - window
+            for p in range(max(first, 0)):
+                blk = int(md.block_tables[s, p // 16])
+                k_cache[blk, p % 16] = float("nan")
+                v_cache[blk, p % 16] = float("nan")
+    kw = dict(sliding_window=window, logits_soft_cap=cap)
+    runs = {}
+    if decode_splits is None:
+        for gather in (False, True):
+            out = torch.full_like(query, float("nan"))
+            runs[f"gather={gather}"] = ta.prefill_attention(query, k_cache, v_cache, md, scale, out=out,
+                                                            gather=gather, **kw)
+    else:
+        for n in decode_splits:
+            out = torch.full_like(query, float("nan"))
+            runs[f"splits={n}"] = ta.decode_attention(query, k_cache, v_cache, md, scale, out=out, num_splits=n, **kw)
+    runs["backend"] = ta.TritonAttentionBackend.attention(query, k_cache, v_cache, md, scale, **kw)
+    for name, out in runs.items():
+        err = rel_err(out, ref)
+        assert err < TOL[dtype], f"{name}: rel err {err:.2e}"
+    return query, k_cache, v_cache, md, ref
+
+
+# windows of 1 key, inside a key block, across blocks, as long as the prefill (70), past every sequence;
+# alone, with a softcap, and a softcap alone
+WINDOW_CAP = [(1, None), (16, None), (37, 2.0), (70, None), (1000, 2.0), (None, 2.0)]
+
+
+@pytest.mark.parametrize("dtype", WINDOW_DTYPES)
+@pytest.mark.parametrize("window,cap", WINDOW_CAP)
+def test_window_softcap_prefill_and_extend(device, window, cap, dtype):
+    # a prefill from position 0, an extend after 130 cached keys, a one-row chunk mixed in
+    seqs = [(70, full_rows(70)), (150, tail_rows(150, 20)), (90, tail_rows(90, 1))]
+    check_window(seqs, (6, 2), 32, dtype, device, True, window, cap)
+
+
+@pytest.mark.parametrize("heads,head_dim", [((4, 4), 64), ((8, 1), 32), ((4, 1), 256)])   # MHA, GQA 8, Gemma 3 270M
+@pytest.mark.parametrize("window,cap", [(24, None), (24, 3.0)])
+def test_window_softcap_heads(device, heads, head_dim, window, cap):
+    seqs = [(100, full_rows(100)), (61, tail_rows(61, 7))]
+    check_window(seqs, heads, head_dim, torch.float32, device, True, window, cap)
+
+
+@pytest.mark.parametrize("dtype", WINDOW_DTYPES)
+@pytest.mark.parametrize("window,cap", [(16, None), (50, 2.0), (None, 2.0)])
+def test_window_softcap_sparse_rows(device, window, cap, dtype):
+    # rows scattered through the prompt (unsorted in one sequence), a sequence left without rows
+    gen = torch.Generator().manual_seed(5)
+    rows = sparse_rows(260, 0.15, 8, gen)
+    seqs = [(260, rows[torch.randperm(rows.numel(), generator=gen)]), (40, torch.empty(0, dtype=torch.int64)),
+            (120, sparse_rows(120, 0.3, 1, gen))]
+    check_window(seqs, (6, 2), 32, dtype, device, False, window, cap)
+
+
+@pytest.mark.parametrize("dtype", WINDOW_DTYPES)
+@pytest.mark.parametrize("window,cap", [(1, None), (20, 2.0), (100, None), (5000, 2.0), (None, 2.0)])
+def test_window_softcap_decode(device, window, cap, dtype):
+    # split counts of 1, 3 and 16: with a window the splits share its keys, and those past them (all
+    # but one or two for the short windows) are empty and must weigh nothing in the merge
+    seqs = [(n, tail_rows(n, 1)) for n in (1, 15, 40, 300)]
+    check_window(seqs, (4, 2), 32, dtype, device, True, window, cap, decode_splits=(None, 1, 3, 16))
+
+
+@pytest.mark.parametrize("cap", [None, 2.0])
+def test_window_reads_no_key_before_it(device, cap):
+    """NaN in every key and value before each row's window (of each sequence): the output stays exact,
+    for prefill, extend, sparse rows and split decode."""
+    gen = torch.Generator().manual_seed(9)
+    cases = [([(70, full_rows(70))], True), ([(200, tail_rows(200, 12))], True),
+             ([(300, sparse_rows(300, 0.1, 4, gen))], False)]
+    for seqs, contiguous in cases:
+        check_window(seqs, (4, 2), 32, torch.float32, device, contiguous, 40, cap, poison=True)
+    check_window([(n, tail_rows(n, 1)) for n in (30, 333, 1000)], (4, 2), 32, torch.float32, device, True, 40, cap,
+                 decode_splits=(1, 4), poison=True)
+
+
+def test_window_skips_key_blocks_before_it(device, monkeypatch):
+    """A sliding layer's cost is O(window) per row at any length: the key loops start at the tile's
+    first visible key (counted by wrapping the key-block step, interpreter only)."""
+    from sparsex.layers import triton_attention as ta
+    if device.type == "cuda":
+        pytest.skip("counts key blocks through the interpreter")
+    starts = []
+    block = ta._key_block
+
+    def counting(start, *args):
+        starts.append(int(start))
+        return block.fn(start, *args)
+    monkeypatch.setattr(ta, "_key_block", counting)
+    # 8 rows at positions 992..999 with a window of 40 see keys 953..999: two key blocks (32 keys in
+    # fp32) from 953 for each of the 2 KV heads, not the 32 blocks from key 0
+    query, k_cache, v_cache, md = make_batch([(1000, tail_rows(1000, 8))], 4, 2, 32, 16, torch.float32, device, True)
+    for gather in (False, True):
+        starts.clear()
+        ta.prefill_attention(query, k_cache, v_cache, md, 0.2, gather=gather, sliding_window=40)
+        assert sorted(starts) == [953, 953, 985, 985], gather
+    starts.clear()
+    ta.prefill_attention(query, k_cache, v_cache, md, 0.2, gather=False)
+    assert len(starts) == 2 * 32                                          # without a window: every block
+    # decode at position 999, window 100: keys 900..999, two blocks of 64 keys shared by the splits
+    query, k_cache, v_cache, md = make_batch([(1000, tail_rows(1000, 1))], 4, 2, 32, 16, torch.float32, device, True)
+    for splits, want in ((1, [900, 964]), (2, [900, 964]), (8, [900, 964])):
+        starts.clear()
+        ta.decode_attention(query, k_cache, v_cache, md, 0.2, num_splits=splits, sliding_window=100)
+        assert sorted(starts) == sorted(want * 2), splits
+
+
+try:        # a jitted function sees module globals only: the softcap's tanh under test is defined here
+    import triton
+    import triton.language as tl
+
+    from sparsex.layers.triton_attention import _tanh
+
+    @triton.jit
+    def _tanh_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n)
+        tl.store(y_ptr + offs, _tanh(x), mask=offs < n)
+except ImportError:
+    _tanh_kernel = None
+
+
+def test_softcap_tanh_is_accurate(device):
+    """The kernels' tanh (tl has none) to 1e-6 relative over the whole range, saturating without NaN."""
+    x = torch.cat([torch.linspace(-12, 12, 20001), torch.logspace(-30, 2, 400), torch.linspace(0.39, 0.41, 401),
+                   torch.tensor([0.0, 0.4, 3.0e4, 1e30, float("inf")])])
+    x = torch.cat([x, -x]).float()
+    y = torch.empty_like(x, device=device)
+    _tanh_kernel[(triton.cdiv(x.numel(), 1024),)](x.to(device), y, x.numel(), BLOCK=1024)
+    want = torch.tanh(x.double())
+    y = y.cpu().double()
+    assert not torch.isnan(y).any()
+    rel = ((y - want).abs() / want.abs().clamp_min(1e-300))[want != 0]
+    assert rel.max().item() < 1e-6, rel.max().item()
+    assert torch.equal(y[x == 0], torch.zeros_like(y[x == 0]))
+
+
+def test_window_or_softcap_keeps_off_causal_sdpa(device, monkeypatch):
+    """The plain-prefill shortcut (torch's causal SDPA) neither caps nor slides: taken with neither,
+    or with a window that hides nothing (every sequence fits in it), never otherwise."""
+    from sparsex.layers import triton_attention as ta
+
+    taken = []
+    sdpa = ta._causal_sdpa
+    monkeypatch.setattr(ta, "_causal_sdpa", lambda *a: taken.append(1) or sdpa(*a))
+    seqs = [(60, full_rows(60)), (77, tail_rows(77, 60))]                 # a prefill, a short cached prefix
+    query, k_cache, v_cache, md = make_batch(seqs, 4, 2, 32, 16, torch.float16, device, True)
+    assert ta._short_prefix_lens(md) is not None
+    key = k_cache.view(-1, 2, 32)[md.slot_mapping]
+    value = v_cache.view(-1, 2, 32)[md.slot_mapping]
+    for window, cap, via_sdpa in ((None, None, True), (77, None, True), (5000, None, True), (76, None, False),
+                                  (16, None, False), (None, 2.0, False), (5000, 2.0, False)):
+        taken.clear()
+        out = ta.TritonAttentionBackend.attention(query, k_cache, v_cache, md, 0.2, key=key, value=value,
+                                                  sliding_window=window, logits_soft_cap=cap)
+        assert bool(taken) == via_sdpa, (window, cap)
+        ref = dense_reference(query, k_cache, v_cache, md, 0.2, window, cap)
+        assert rel_err(out, ref) < TOL[torch.float16], (window, cap)
+
+
+def test_fixed_split_graph_backend_window_and_softcap(device):
+    """The CUDA-graph decode backend (a fixed split count) runs sliding and softcapped layers, with
+    no more splits than the window needs; plain layers exactly as decode_attention."""
+    from sparsex.engine.cuda_graph import FixedSplitDecodeBackend
+    from sparsex.layers import triton_attention as ta
+
+    assert ta.window_num_splits(64, None) == 64 and ta.window_num_splits(64, 20) == 1
+    assert ta.window_num_splits(64, 1000) == 8 and ta.window_num_splits(4, 1000) == 4
+    backend = FixedSplitDecodeBackend(16)
+    seqs = [(n, tail_rows(n, 1)) for n in (1, 50, 700)]
+    query, k_cache, v_cache, md = make_batch(seqs, 4, 2, 32, 16, torch.float32, device, True)
+    for window, cap in ((None, None), (20, None), (200, 2.0), (None, 5.0)):
+        out = backend.attention(query, k_cache, v_cache, md, 0.2, sliding_window=window, logits_soft_cap=cap)
+        assert rel_err(out, dense_reference(query, k_cache, v_cache, md, 0.2, window, cap)) < TOL[torch.float32]
+        if window is None and cap is None:
+            assert torch.equal(out, ta.decode_attention(query, k_cache, v_cache, md, 0.2, num_splits=16))
+
+
+@pytest.mark.parametrize("kwargs", [dict(sliding_window=0), dict(sliding_window=-4), dict(sliding_window=2.5),
+                                    dict(sliding_window=True), dict(logits_soft_cap=0.0),
+                                    dict(logits_soft_cap=-1.0), dict(logits_soft_cap=math.nan),
+                                    dict(logits_soft_cap=math.inf)])
+def test_rejects_bad_window_or_cap(kwargs):
+    """As the torch backend: ValueError naming the option, before any kernel runs (CPU tensors here)."""
+    pytest.importorskip("triton")
+    from sparsex.engine.cuda_graph import FixedSplitDecodeBackend
+    from sparsex.layers import triton_attention as ta
+
+    name = next(iter(kwargs))
+    prefill = make_batch([(20, full_rows(20))], 4, 2, 32, 16, torch.float32, torch.device("cpu"), True)
+    decode = make_batch([(20, tail_rows(20, 1))], 4, 2, 32, 16, torch.float32, torch.device("cpu"), True)
+    calls = [lambda: ta.TritonAttentionBackend.attention(*prefill, 0.2, **kwargs),
+             lambda: ta.TritonAttentionBackend.attention(*decode, 0.2, **kwargs),
+             lambda: FixedSplitDecodeBackend(4).attention(*decode, 0.2, **kwargs),
+             lambda: ta.prefill_attention(*prefill, 0.2, **kwargs),
+             lambda: ta.decode_attention(*decode, 0.2, **kwargs)]
+    for call in calls:
+        with pytest.raises(ValueError, match=name):
+            call()
+
+
 # ---- re-rotation ----------------------------------------------------------------------------
 
 

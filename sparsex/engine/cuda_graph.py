@@ -10,7 +10,9 @@ only when every scheduled request is a one-row decode and nothing blends (eager 
 - Inputs live in static buffers that the graph reads; `run` uploads a step's arrays in one pinned
   H2D copy (`PinnedUploader`) and copies them into the static buffers on the device.
 - Split-K decode needs its split count on the host at launch, so each graph fixes it, chosen for
-  max_model_len (the kernel sizes each split from the live sequence length, so any length is exact).
+  max_model_len (the kernel sizes each split from the live sequence length, so any length is exact);
+  a sliding-window layer uses at most what its window needs (`window_num_splits`). The window and
+  the softcap are compile-time constants of the kernel: nothing of them is read at replay.
 - The block-table buffer is `[max_batch, cdiv(max_model_len, block_size)]`; a step copies only its
   used width (`[n, max blocks of the batch]`), as entries past a row's length are never read.
 """
@@ -48,10 +50,12 @@ class FixedSplitDecodeBackend:
     def attention(self, query, k_cache, v_cache, md: AttentionMetadata, scale: float,
                   key=None, value=None, *, sliding_window: int | None = None,
                   logits_soft_cap: float | None = None) -> torch.Tensor:
-        if sliding_window is not None or logits_soft_cap is not None:
-            raise NotImplementedError("sliding-window / softcapped attention is not implemented in the Triton backend yet")
-        from sparsex.layers.triton_attention import decode_attention
-        return decode_attention(query, k_cache, v_cache, md, scale, num_splits=self.num_splits)
+        from sparsex.layers.triton_attention import check_window_and_cap, decode_attention, window_num_splits
+        sliding_window, logits_soft_cap = check_window_and_cap(sliding_window, logits_soft_cap)
+        # a sliding layer's rows read at most its window: fewer splits (host ints, fixed at capture)
+        return decode_attention(query, k_cache, v_cache, md, scale,
+                                num_splits=window_num_splits(self.num_splits, sliding_window),
+                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 
 
 class DecodeGraphs:

@@ -76,13 +76,6 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         cfg = loaded.config
         self.model_config = cfg
-        if self.device.type == "cuda":
-            unsupported = [f"{name}={value}" for name, value in (
-                ("sliding_window", cfg.sliding_window if cfg.layer_types else None),
-                ("attn_logit_softcapping", cfg.attn_logit_softcapping)) if value is not None]
-            if unsupported:
-                raise ValueError(f"{cfg.architecture!r} with {', '.join(unsupported)} runs on the CPU only: the Triton "
-                                 f"attention kernels have no sliding window or softcapping yet")
         with torch.device("meta"):
             model = DecoderForCausalLM(cfg, max_model_len)
         if loaded.weights:

@@ -5,7 +5,7 @@ A backend provides two functions, both reading `AttentionMetadata`:
   attention(query, k_cache, v_cache, metadata, scale, key=None, value=None, *,
             sliding_window=None, logits_soft_cap=None) -> output
 Caches are per layer: `[num_blocks, block_size, num_kv_heads, head_dim]`.
-The GPU backend (Triton) implements the same two functions (without the two keyword options yet).
+The GPU backend (Triton) implements the same two functions, keyword options included.
 
 A row at position i sees keys j <= i; with `sliding_window` W only j > i - W (Mistral, Gemma's local
 layers; transformers' sliding_window_causal mask), and with `logits_soft_cap` C its scaled scores s

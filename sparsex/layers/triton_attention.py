@@ -5,6 +5,10 @@ caches are per layer `[num_blocks, block_size, num_kv_heads, head_dim]`, laid ou
 every query row attends to keys `0..positions[row]` of its sequence. No mask tensor exists: the mask
 is `key <= position`, evaluated per row inside the kernel, so plain prefill, chunked prefill, prefix
 hits and SparseX's sparse rows (rows scattered through a prompt) are one code path.
+A sliding window W (Mistral, Gemma's local layers) keeps keys `position - W + 1 ..` only, and a
+logit softcap C (Gemma 2) maps the scaled scores s to C * tanh(s / C) before the mask and softmax.
+Both are constexprs of the kernels (WINDOW, SOFTCAP: one compilation per value, nothing read at a
+CUDA-graph replay); without them the kernels compile to exactly what they were before these existed.
 
 Layout of the work (why it looks like this):
 - GQA is packed into the M side of each tile: a program owns one KV head and `ROWS` query rows ×
@@ -23,11 +27,17 @@ Layout of the work (why it looks like this):
 - Decode (every sequence has exactly one row) splits each sequence's keys across programs
   (split-K) so a few long sequences still fill the GPU, then a small kernel merges the splits by
   their log-sum-exp.
+- With a window the key loops start at the first key any line of the tile sees (not at key 0 or a
+  block boundary), so a sliding layer reads O(window) keys per row at any context length and never
+  a key before the window; a decode's splits share the window's keys. Torch's causal SDPA (the
+  plain-prefill shortcut) neither slides nor caps: it serves such layers only when the window hides
+  no key and nothing is capped.
 Softmax is online, in base 2 (the scale is folded with log2 e), accumulated in fp32.
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -40,16 +50,31 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in fp32 to ~1e-7 relative (tl has no tanh, and libdevice's does not run in the interpreter):
+    an odd Taylor polynomial where |x| < 0.4, where 1 - 2 / (e^2x + 1) would cancel; that form elsewhere
+    (it saturates to +-1 for large |x|: never NaN)."""
+    x2 = x * x
+    p = x + x * x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
+        -0.05396825396825397 + x2 * (0.021869488536155203 + x2 * -0.008863235529902197))))
+    e = 1.0 - 2.0 / (tl.exp2(x * 2.885390081777927) + 1.0)             # exp(2x) = exp2(2x log2 e)
+    return tl.where(tl.abs(x) < 0.4, p, e)
+
+
+@triton.jit
 def _key_block(
     start, acc, m_i, l_i, q, pos_m, k_base, v_base, bt_row, k_desc, v_desc, kv_col, hi,
     stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, KV_MODE: tl.constexpr, PREC: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One key block [start, start + BLOCK_N) of the online softmax. KV_MODE: 0 paged (slots through
     the block table), 1 gathered (row `start + i` of a contiguous copy: k_base already points at the
     sequence's row 0 and this KV head), 2 gathered through TMA descriptors (rows `start + i`, columns
-    `kv_col`..+HEAD_DIM of the copy viewed as [rows, num_kv_heads * head_dim])."""
+    `kv_col`..+HEAD_DIM of the copy viewed as [rows, num_kv_heads * head_dim]).
+    WINDOW > 0: in a masked block line m sees only keys n > pos_m - WINDOW. SOFTCAP > 0: scores
+    s = q.k * scale become SOFTCAP * tanh(s / SOFTCAP), qk_scale being scale / SOFTCAP."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     n = start + offs_n                                                   # [BLOCK_N] key positions
@@ -76,15 +101,32 @@ def _key_block(
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * qk_scale   # [M, BLOCK_N]
+    if SOFTCAP > 0:
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * qk_scale   # s / SOFTCAP
+        qk = _tanh(qk) * (SOFTCAP * 1.4426950408889634)                  # capped, in base-2 units
+    else:
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * qk_scale   # [M, BLOCK_N]
     if MASKED:
         visible = (n[None, :] <= pos_m[:, None]) & n_ok[None, :]
+        if WINDOW > 0:
+            visible = visible & (n[None, :] > pos_m[:, None] - WINDOW)
         qk = tl.where(visible, qk, float("-inf"))
-    # Every line sees key 0 in the first block it processes (positions >= 0), so m_new is
-    # finite from the first iteration on and no exp2(-inf - -inf) NaN can appear.
+    # Without a window every line sees key 0 in the first block it processes (positions >= 0), so
+    # m_new is finite from the first iteration on and no exp2(-inf - -inf) NaN can appear.
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    if WINDOW > 0:
+        if MASKED:
+            # with one, a line may see no key of this block and none before it (its window starts
+            # later than the tile's first): m_new = -inf, and the exponents use 0 instead (p = alpha = 0)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_ref)
+            p = tl.exp2(qk - m_ref[:, None])
+        else:
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
     return acc, m_new, l_i
@@ -98,23 +140,25 @@ def _attend_keys(
     k_base, v_base,                # cache (or gathered copy) pointers, already offset to this KV head
     bt_row,                        # pointer to this sequence's block-table row (KV_MODE 0)
     k_desc, v_desc, kv_col,        # TMA descriptors and this KV head's first column (KV_MODE 2)
-    lo, hi,                        # key range [lo, hi) (rows of the copy in KV_MODE 2); lo a multiple of BLOCK_N in modes 0/1
+    lo, hi,                        # key range [lo, hi) (rows of the copy in KV_MODE 2); lo a multiple of BLOCK_N in
+                                   # modes 0/1 without a window (with one it starts at the window's first key)
     stride_kb, stride_ks, stride_vb, stride_vs,
-    qk_scale,                      # softmax scale * log2(e)
+    qk_scale,                      # softmax scale * log2(e); with SOFTCAP, scale / SOFTCAP
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, KV_MODE: tl.constexpr, PREC: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     if KV_MODE == 2 and not MASKED:
         # Hopper: TMA loads leave the warps free, and warp specialisation overlaps them with the MMAs
         for start in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
             acc, m_i, l_i = _key_block(start, acc, m_i, l_i, q, pos_m, k_base, v_base, bt_row, k_desc, v_desc,
                                        kv_col, hi, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                                       BLOCK_SIZE, BLOCK_N, HEAD_DIM, MASKED, KV_MODE, PREC)
+                                       BLOCK_SIZE, BLOCK_N, HEAD_DIM, MASKED, KV_MODE, PREC, WINDOW, SOFTCAP)
     else:
         for start in range(lo, hi, BLOCK_N):
             acc, m_i, l_i = _key_block(start, acc, m_i, l_i, q, pos_m, k_base, v_base, bt_row, k_desc, v_desc,
                                        kv_col, hi, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                                       BLOCK_SIZE, BLOCK_N, HEAD_DIM, MASKED, KV_MODE, PREC)
+                                       BLOCK_SIZE, BLOCK_N, HEAD_DIM, MASKED, KV_MODE, PREC, WINDOW, SOFTCAP)
     return acc, m_i, l_i
 
 
@@ -132,6 +176,8 @@ def _prefill_kernel(
     rows_per_seq,                  # KV_MODE 1/2: rows of the gathered copy per sequence
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, KV_MODE: tl.constexpr,
+    WINDOW: tl.constexpr = 0,      # > 0: a sliding window of that many keys (the row's own included)
+    SOFTCAP: tl.constexpr = 0.0,   # > 0: scores softcapped to SOFTCAP * tanh(s / SOFTCAP); qk_scale = scale / SOFTCAP
 ):
     ROWS: tl.constexpr = BLOCK_M // G            # query rows per tile
     kvh = tl.program_id(0)
@@ -186,14 +232,39 @@ def _prefill_kernel(
         shift = key_row0.to(tl.int32)
     else:
         shift = 0
-    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos_m + shift, k_base, v_base, bt_row, k_desc, v_desc,
-                                 kvh * HEAD_DIM, shift, shift + full_end,
-                                 stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                                 BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, KV_MODE, PREC)
-    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos_m + shift, k_base, v_base, bt_row, k_desc, v_desc,
-                                 kvh * HEAD_DIM, shift + full_end, shift + kv_end,
-                                 stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                                 BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, KV_MODE, PREC)
+    if WINDOW > 0:
+        # line m sees keys (pos_m - WINDOW, pos_m]. The key blocks start at the first key any line
+        # sees, key_lo (TMA and the paged loads take any start): keys before it are never read, so a
+        # sliding layer costs O(window) per row at any context length. Keys [full_lo, full_end), at or
+        # after the largest position's window start and at or below the smallest position, are visible
+        # to every line: unmasked; the blocks before and after them are masked.
+        max_pos = tl.max(tl.where(line_ok, pos_m, 0))
+        pos_m = tl.where(line_ok, pos_m, max_pos)       # padding lines: a real row's keys, never 0/0
+        key_lo = tl.maximum(min_pos - WINDOW + 1, 0)
+        full_lo = tl.minimum(key_lo + tl.cdiv(tl.maximum(max_pos - WINDOW + 1 - key_lo, 0), BLOCK_N) * BLOCK_N,
+                             kv_end)
+        full_end = full_lo + tl.maximum(tl.minimum(min_pos + 1, kv_end) - full_lo, 0) // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos_m + shift, k_base, v_base, bt_row, k_desc, v_desc,
+                                     kvh * HEAD_DIM, shift + key_lo, shift + full_lo,
+                                     stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                                     BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, KV_MODE, PREC, WINDOW, SOFTCAP)
+        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos_m + shift, k_base, v_base, bt_row, k_desc, v_desc,
+                                     kvh * HEAD_DIM, shift + full_lo, shift + full_end,
+                                     stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                                     BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, KV_MODE, PREC, WINDOW, SOFTCAP)
+        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos_m + shift, k_base, v_base, bt_row, k_desc, v_desc,
+                                     kvh * HEAD_DIM, shift + full_end, shift + kv_end,
+                                     stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                                     BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, KV_MODE, PREC, WINDOW, SOFTCAP)
+    else:
+        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos_m + shift, k_base, v_base, bt_row, k_desc, v_desc,
+                                     kvh * HEAD_DIM, shift, shift + full_end,
+                                     stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                                     BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, KV_MODE, PREC, WINDOW, SOFTCAP)
+        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos_m + shift, k_base, v_base, bt_row, k_desc, v_desc,
+                                     kvh * HEAD_DIM, shift + full_end, shift + kv_end,
+                                     stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+                                     BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, KV_MODE, PREC, WINDOW, SOFTCAP)
     out = acc / l_i[:, None]
     tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=line_ok[:, None])
@@ -208,6 +279,8 @@ def _decode_kernel(
     stride_bt, num_heads, num_splits,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+    WINDOW: tl.constexpr = 0,      # as in _prefill_kernel
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     s = tl.program_id(0)                          # sequence == its single query row
     kvh = tl.program_id(1)
@@ -220,9 +293,18 @@ def _decode_kernel(
                 mask=g_ok[:, None], other=0.0)                            # [BLOCK_G, D]
     pos = tl.load(positions + s).to(tl.int32)
     kv_len = tl.minimum(pos + 1, tl.load(seq_lens + s))
-    # this split's key range: equal chunks, rounded up to whole key blocks
-    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * chunk
+    if WINDOW > 0:
+        # the splits share the window's keys [key_lo, kv_len) in equal chunks from key_lo on (the paged
+        # loads take any start): no program reads a key before the window, every key a program reads
+        # is in it (only the causal mask of the last partial block remains), and split 0, holding
+        # key_lo, is never empty; splits past the window's keys are, and weigh nothing in the merge
+        key_lo = tl.maximum(pos - WINDOW + 1, 0)
+        chunk = tl.cdiv(tl.cdiv(kv_len - key_lo, num_splits), BLOCK_N) * BLOCK_N
+        lo = key_lo + split * chunk
+    else:
+        # this split's key range: equal chunks, rounded up to whole key blocks
+        chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
     hi = tl.minimum(lo + chunk, kv_len)
     full_end = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
     pos_m = tl.full([BLOCK_G], 0, tl.int32) + pos
@@ -233,12 +315,13 @@ def _decode_kernel(
     k_base = k_cache + kvh * stride_kh
     v_base = v_cache + kvh * stride_vh
     bt_row = block_tables + s * stride_bt
+    # WINDOW 0 below: the range already lies inside the window
     acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos_m, k_base, v_base, bt_row, k_cache, v_cache, 0,
                                  lo, full_end, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                                 BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, 0, PREC)
+                                 BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, 0, PREC, 0, SOFTCAP)
     acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos_m, k_base, v_base, bt_row, k_cache, v_cache, 0,
                                  full_end, hi, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                                 BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, 0, PREC)
+                                 BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, 0, PREC, 0, SOFTCAP)
     if not SPLIT:
         tl.store(out_ptr + s.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
@@ -338,15 +421,17 @@ def _check_shapes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 GATHER_MIN_ROWS = 512
 
 
-def gather_pays(md: AttentionMetadata, num_rows: int, block_size: int) -> bool:
+def gather_pays(md: AttentionMetadata, num_rows: int, block_size: int, window: int | None = None) -> bool:
     """Host ints only: do the step's rows attend to enough keys for a contiguous copy of every
     sequence's keys (`num_seqs x max_blocks` blocks) to cost less than it saves? The gain grows with
-    (rows x keys) of each sequence, the copy's cost with the keys copied."""
+    (rows x keys) of each sequence, the copy's cost with the keys copied. With a sliding window a row
+    reads at most `window` keys (the copy still holds them all)."""
     if num_rows < GATHER_MIN_ROWS:
         return False
     copied = md.num_seqs * md.block_tables.shape[1] * block_size
     cu = md.cu_seqlens_q_cpu
-    pairs = sum((cu[s + 1] - cu[s]) * n for s, n in enumerate(md.seq_lens_cpu))
+    seen = (lambda n: n) if window is None else (lambda n: min(n, window))
+    pairs = sum((cu[s + 1] - cu[s]) * seen(n) for s, n in enumerate(md.seq_lens_cpu))
     return pairs >= GATHER_MIN_ROWS * copied
 
 
@@ -401,6 +486,32 @@ def _gather_plan(md: AttentionMetadata, k_cache: torch.Tensor, block_n: int) -> 
     return plan
 
 
+def check_window_and_cap(sliding_window, logits_soft_cap) -> tuple[int | None, float | None]:
+    """The two attention options, validated as TorchAttentionBackend does (ValueError): a window of
+    at least one key, a positive finite cap; returned as (int, float) or None."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or int(sliding_window) != sliding_window
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if logits_soft_cap is not None and not 0 < logits_soft_cap < math.inf:     # NaN fails too
+        raise ValueError(f"logits_soft_cap must be a positive finite float or None, got {logits_soft_cap!r}")
+    return (None if sliding_window is None else int(sliding_window),
+            None if logits_soft_cap is None else float(logits_soft_cap))
+
+
+def _variant(scale: float, sliding_window: int | None, logits_soft_cap: float | None) -> tuple[float, dict]:
+    """(qk_scale, constexprs) of a kernel launch: the scale in base-2 units (scale / cap when
+    softcapped: the kernel takes tanh of that and multiplies by cap * log2 e), and the WINDOW /
+    SOFTCAP constexprs, left out without them so the plain launch is exactly the one before they
+    existed (same specialisation, same compiled kernel)."""
+    consts = {}
+    if sliding_window is not None:
+        consts["WINDOW"] = sliding_window
+    if logits_soft_cap is not None:
+        consts["SOFTCAP"] = logits_soft_cap
+        return scale / logits_soft_cap, consts
+    return scale * _LOG2E, consts
+
+
 def prefill_attention(
     query: torch.Tensor,            # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,          # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -409,8 +520,12 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     gather: bool | None = None,     # read a contiguous copy of the keys; None: when it pays (gather_pays)
+    *,
+    sliding_window: int | None = None,   # a row at position i sees keys i - sliding_window + 1 .. i
+    logits_soft_cap: float | None = None,   # scaled scores s -> logits_soft_cap * tanh(s / logits_soft_cap)
     **config,                       # block_m, block_n, num_warps, num_stages (benchmark sweeps)
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
+    sliding_window, logits_soft_cap = check_window_and_cap(sliding_window, logits_soft_cap)
     num_heads, num_kv_heads, head_dim = _check_shapes(query, k_cache, v_cache)
     group = num_heads // num_kv_heads
     out = torch.empty_like(query) if out is None else out
@@ -418,7 +533,7 @@ def prefill_attention(
     if num_tokens == 0:
         return out
     if gather is None:
-        gather = query.is_cuda and gather_pays(md, num_tokens, k_cache.shape[1])
+        gather = query.is_cuda and gather_pays(md, num_tokens, k_cache.shape[1], sliding_window)
     cfg = _prefill_config(head_dim, query.dtype, group, gather) | config
     rows = cfg["block_m"] // group
     # upper bound on tiles from host ints only: sum_s cdiv(q_len_s, rows) <= num_tokens // rows + num_seqs
@@ -435,16 +550,17 @@ def prefill_attention(
         kv_mode = 1
         if plan.k_desc is not None:
             k_desc, v_desc, kv_mode = plan.k_desc, plan.v_desc, 2
+    qk_scale, variant = _variant(scale, sliding_window, logits_soft_cap)
     _prefill_kernel[grid](
         query, k_src, v_src, out,
         md.positions, md.cu_seqlens_q, md.seq_lens, md.block_tables,
-        md.num_seqs, scale * _LOG2E,
+        md.num_seqs, qk_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         *k_strides, *v_strides,
         md.block_tables.stride(0),
         k_desc, v_desc, rows_per_seq,
         G=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], PREC=_DOT_PRECISION, KV_MODE=kv_mode,
+        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], PREC=_DOT_PRECISION, KV_MODE=kv_mode, **variant,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
@@ -460,6 +576,15 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_
     return max(1, min(want, triton.cdiv(max_seq_len, 2 * block_n), 64))
 
 
+def window_num_splits(num_splits: int, sliding_window: int | None, block_n: int = 64) -> int:
+    """A split count for a sliding-window layer: a row reads at most `sliding_window` keys, so more
+    splits than decode_num_splits gives for that length (two key blocks each at least) only add
+    empty programs (correct, but work for the merge). Host ints only."""
+    if sliding_window is None:
+        return num_splits
+    return max(1, min(num_splits, triton.cdiv(sliding_window, 2 * block_n)))
+
+
 def decode_attention(
     query: torch.Tensor,            # [num_seqs, num_heads, head_dim], one row per sequence
     k_cache: torch.Tensor,          # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -471,7 +596,15 @@ def decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,
+    *,
+    sliding_window: int | None = None,   # as prefill_attention
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:                  # [num_seqs, num_heads, head_dim]
+    """One query row per sequence. `num_splits` programs share each (sequence, KV head)'s keys (with
+    a sliding window: the window's keys); None picks them from the step (decode_num_splits, then
+    window_num_splits). A given count is used as is: splits past a short sequence's (or window's)
+    keys are empty and weigh nothing in the merge."""
+    sliding_window, logits_soft_cap = check_window_and_cap(sliding_window, logits_soft_cap)
     num_heads, num_kv_heads, head_dim = _check_shapes(query, k_cache, v_cache)
     group = num_heads // num_kv_heads
     num_seqs = query.shape[0]
@@ -479,23 +612,25 @@ def decode_attention(
     if num_seqs == 0:
         return out
     if num_splits is None:
-        num_splits = decode_num_splits(num_seqs, num_kv_heads, md.max_seq_len, block_n,
-                                       _num_sms(query.device))
+        num_splits = window_num_splits(
+            decode_num_splits(num_seqs, num_kv_heads, md.max_seq_len, block_n, _num_sms(query.device)),
+            sliding_window, block_n)
     if num_splits > 1:
         part_o = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     else:
         part_o = part_lse = out                     # unused: the kernel writes `out` directly
+    qk_scale, variant = _variant(scale, sliding_window, logits_soft_cap)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, part_o, part_lse,
-        md.positions, md.seq_lens, md.block_tables, scale * _LOG2E,
+        md.positions, md.seq_lens, md.block_tables, qk_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         md.block_tables.stride(0), num_heads, num_splits,
         G=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, SPLIT=num_splits > 1,
-        PREC=_DOT_PRECISION, num_warps=num_warps, num_stages=num_stages,
+        PREC=_DOT_PRECISION, **variant, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
@@ -543,20 +678,23 @@ class TritonAttentionBackend:
         key: torch.Tensor | None = None,     # this step's K/V ([num_tokens, num_kv_heads, head_dim])
         value: torch.Tensor | None = None,
         *,
-        sliding_window: int | None = None,   # as TorchAttentionBackend.attention: not supported here yet
-        logits_soft_cap: float | None = None,
+        sliding_window: int | None = None,   # as TorchAttentionBackend.attention: a row at position i
+        logits_soft_cap: float | None = None,   # sees keys i - sliding_window + 1 .. i; scores s -> cap * tanh(s / cap)
     ) -> torch.Tensor:              # [num_tokens, num_heads, head_dim]
-        if sliding_window is not None or logits_soft_cap is not None:
-            raise NotImplementedError(
-                "sliding-window / softcapped attention is not implemented in the Triton backend yet")
+        sliding_window, logits_soft_cap = check_window_and_cap(sliding_window, logits_soft_cap)
         # host ints only: no device->host sync on this path
         if query.shape[0] == md.num_seqs and md.max_seqlen_q == 1:
-            return decode_attention(query, k_cache, v_cache, md, scale)
-        if key is not None and query.dtype in (torch.float16, torch.bfloat16):
+            return decode_attention(query, k_cache, v_cache, md, scale, sliding_window=sliding_window,
+                                    logits_soft_cap=logits_soft_cap)
+        # causal SDPA neither caps scores nor slides: only where there is no cap and the window hides
+        # no key (every sequence fits in it)
+        if (key is not None and query.dtype in (torch.float16, torch.bfloat16) and logits_soft_cap is None
+                and (sliding_window is None or max(md.seq_lens_cpu) <= sliding_window)):
             prefix_lens = _short_prefix_lens(md)
             if prefix_lens is not None:
                 return _causal_sdpa(query, key, value, k_cache, v_cache, md, scale, prefix_lens)
-        return prefill_attention(query, k_cache, v_cache, md, scale)
+        return prefill_attention(query, k_cache, v_cache, md, scale, sliding_window=sliding_window,
+                                 logits_soft_cap=logits_soft_cap)
 
 
 def _short_prefix_lens(md: AttentionMetadata) -> list[int] | None:
@@ -604,4 +742,5 @@ def _causal_sdpa(query, key, value, k_cache, v_cache, md: AttentionMetadata, sca
     return out
 
 
-__all__ = ["TritonAttentionBackend", "prefill_attention", "decode_attention", "decode_num_splits"]
+__all__ = ["TritonAttentionBackend", "prefill_attention", "decode_attention", "decode_num_splits",
+           "window_num_splits", "check_window_and_cap"]
