@@ -59,6 +59,11 @@ class ScriptedEngine:
         self.waiting = [r for r in self.waiting if r.rid not in ids]
         self.running = [r for r in self.running if r.rid not in ids]
 
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -152,5 +157,6 @@ def test_shutdown_drains_in_flight_requests():
     assert rest[-1].choices[0].finish_reason == "length"
     assert "".join(c.choices[0].delta.content or "" for c in rest) == "x" * 40
     assert not srv.running and not llm.is_running and llm.error is None
+    assert engine.closed                            # the engine was closed (the shared store flushed)
     with pytest.raises(EngineClosedError):
         llm.call_sync(lambda e: None)
