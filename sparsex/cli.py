@@ -7,6 +7,8 @@
     sparsex bench serve --base-url URL ...
     sparsex bench workload --workload rag|chat|agent [--policies ...] [--sweep | --stream] [--peer vllm] --out DIR
     sparsex bench edit [--kinds chat,agent] [--caches prefix,sparsex] [--cases N] --out DIR
+    sparsex bench replicas [--queries N] [--join-queries N] --out DIR     (shared segment store, 2 replicas)
+    sparsex bench store [--sizes 64,256,1024,4096] [--repeats N] --out DIR  (store tier costs)
     sparsex serve [MODEL] [every engine flag] [server flags]
 
 Engine flags (`--cache`, `--dtype`, `--recompute-ratio`, ...) come from EngineConfig / ReuseConfig
@@ -21,7 +23,9 @@ import sys
 from typing import Sequence
 
 from sparsex.bench.edit_replay import add_edit_replay_parser
+from sparsex.bench.replica_bench import add_replica_bench_parser
 from sparsex.bench.serve_bench import add_serve_bench_parser
+from sparsex.bench.store_bench import add_store_bench_parser
 from sparsex.bench.workload_bench import add_workload_bench_parser
 from sparsex.config import CACHE_MODES, DTYPES, EngineConfig
 from sparsex.entrypoints.serve_cli import add_engine_args, add_serve_parser, engine_knobs
@@ -136,6 +140,8 @@ def _add_bench(sub, common: argparse.ArgumentParser) -> None:
     add_serve_bench_parser(bsub)
     add_workload_bench_parser(bsub)
     add_edit_replay_parser(bsub)
+    add_replica_bench_parser(bsub)
+    add_store_bench_parser(bsub)
 
 
 def build_parser() -> argparse.ArgumentParser:

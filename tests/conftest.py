@@ -42,9 +42,10 @@ MODEL_TESTS = {
                     "test_demo_quick_runs_end_to_end", "test_bench_throughput_and_prefill_tiny"},
     "test_workload_bench.py": {"test_stream_end_to_end", "test_peer_vllm_exports_the_workload_and_prints_instructions"},
     "test_loader.py": {"test_qwen_coder_loads"},
+    "test_store_benches.py": {"test_replica_bench_tiny", "test_store_bench_tiny"},
 }
 MODEL_MODULES = {"test_gpu_engine.py", "test_readme.py", "test_replicas_nginx.py"}  # every test in them loads the model
-BENCH_MODULES = {"test_workload_bench.py"}             # their `model` tests run a workload benchmark
+BENCH_MODULES = {"test_workload_bench.py", "test_store_benches.py"}   # their `model` tests run a benchmark
 BENCH_TESTS = {"test_cli.py": {"test_bench_throughput_and_prefill_tiny"}}
 GPU_MODULES = {"test_gpu_engine.py", "test_triton_kernels.py"}
 
@@ -121,9 +122,9 @@ def wiki_texts():
 
 @pytest.fixture
 def redis_server():
-    """A real redis-server of this test's own (loopback, free port, persistence off; tests/redis_server.py),
+    """A real redis-server of this test's own (loopback, free port, persistence off; sparsex/bench/redis_server.py),
     stopped after it. Skips where redis-server is not installed (`make install` installs it)."""
-    import redis_server as rs
+    from sparsex.bench import redis_server as rs
     if not rs.available():
         pytest.skip("redis-server not installed (make install installs it from Debian)")
     with rs.RedisServer() as server:

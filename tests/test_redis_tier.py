@@ -1,4 +1,4 @@
-"""The Redis tier (sparsex/kvstore/redis_tier.py) against a real redis-server (tests/redis_server.py), and
+"""The Redis tier (sparsex/kvstore/redis_tier.py) against a real redis-server (sparsex/bench/redis_server.py), and
 the fetch-or-recompute policy (sparsex/kvstore/fetch_policy.py). No mocks: crashes are SIGKILLs, a hung
 server is a SIGSTOPped one, eviction is the server's own maxmemory policy."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-import redis_server as rs
+from sparsex.bench import redis_server as rs
 from sparsex.kvstore import record
 from sparsex.kvstore.fetch_policy import FetchDecision, FetchPolicy
 from sparsex.kvstore.redis_tier import RedisTier, RedisTierStats

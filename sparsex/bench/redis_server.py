@@ -1,4 +1,5 @@
-"""A real `redis-server` for tests: a free loopback port, persistence off, its own temp dir.
+"""A real `redis-server` of its own, for tests and benchmarks: a free loopback port, persistence off,
+its own temp dir, stopped by its pid (never by name).
 
     with RedisServer(maxmemory="2mb", password="s3cret") as srv:
         RedisTier(srv.url())
@@ -6,7 +7,8 @@
         srv.start()         # the same port again
 
 `make install` installs Debian's redis-server where it is missing; `available()` tells whether one is
-on PATH (the `redis_server` fixture in conftest.py skips without it).
+on PATH or in a system bin directory (the `redis_server` fixture in tests/conftest.py skips without
+it; `sparsex bench replicas` and `sparsex bench store` start one, `--redis-server PATH` names another).
 """
 from __future__ import annotations
 
@@ -21,10 +23,11 @@ from pathlib import Path
 
 import redis
 
-_SBIN = ("/usr/sbin", "/usr/local/sbin")
+_SBIN = ("/usr/sbin", "/usr/local/sbin", "/usr/bin", "/usr/local/bin")
 
 
 def binary() -> str | None:
+    """redis-server on PATH, else in a system bin directory; None if neither has one."""
     return shutil.which("redis-server") or shutil.which("redis-server", path=os.pathsep.join(_SBIN))
 
 
@@ -41,12 +44,15 @@ def free_port() -> int:
 class RedisServer:
     """One redis-server process. `password` sets requirepass (the default user's password); `acl_users`
     maps a user name to (password, ACL rules, e.g. "~sparsex:shared:* +@all"). `maxmemory` ("2mb")
-    comes with `policy` (allkeys-lru by default)."""
+    comes with `policy` (allkeys-lru by default). `exe`: the redis-server binary (default: `binary()`)."""
 
     def __init__(self, *, port: int | None = None, password: str | None = None,
                  acl_users: dict[str, tuple[str, str]] | None = None, maxmemory: str | None = None,
-                 policy: str = "allkeys-lru", extra_args: tuple[str, ...] = (), start_timeout_s: float = 10.0):
-        exe = binary()
+                 policy: str = "allkeys-lru", extra_args: tuple[str, ...] = (), start_timeout_s: float = 10.0,
+                 exe: str | None = None):
+        if exe is not None and not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
+            raise RuntimeError(f"redis-server {exe!r} is not an executable file")
+        exe = exe or binary()
         if exe is None:
             raise RuntimeError("redis-server not found on PATH (make install installs it from Debian)")
         self.exe = exe

@@ -1,0 +1,410 @@
+"""What each tier of the segment store costs on this machine, against recomputing the segment.
+
+    sparsex bench store --threads 1 --out runs/store
+    sparsex bench store --sizes 64 --repeats 2 --out /tmp/store        # a smoke run
+
+(also `python -m sparsex.bench.store_bench ...`). Segments of `--sizes` tokens of real text (Wikipedia
+passages, `workloads.build_passages`, joined; each size a prefix of the same token stream), on the
+model in `--dtype` (SmolLM2-135M fp32: 30 layers x 3 KV heads x 64 x K,V x 4 B = 46,080 B of KV per
+token). Each timing is the median of `--repeats` runs after one unmeasured run; one process, one
+engine at a time.
+
+  recompute     the segment's prefill: a request of its n tokens alone on a cache="none" engine, to
+                the first token (TTFT);
+  host spill    device -> record (`SegmentStore.spill`: every layer's K/V gathered from the blocks
+                and put in the host tier, what happens to an evicted entry);
+  host install  record -> blocks (`SegmentStore.install`: blocks from the pool, K/V written, indexed);
+  Redis SET     `record.encode` + `RedisTier.put` (a SET, sent by the tier's writer thread) until
+                the write is done (`RedisTier.flush`);
+  Redis fetch   `RedisTier.get_many` (one MGET) + `record.decode` (checksum verified) + install: what
+                a replica that misses locally pays on the TTFT path.
+
+The Redis server is local (loopback), started here and stopped by its pid. Then the fetch policy
+(`FetchPolicy`, mode auto) is given what an engine would have measured by then (every recompute
+above as a plain prefill; the tier's round-trip latency from 5 small reads and its bandwidth from
+the fetches above) and asked, per size, whether it would fetch the segment or recompute it.
+
+Outputs in --out: store.json (environment, configuration, every sample) and store.md (the tables).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+from sparsex.bench.replica_bench import _release
+from sparsex.bench.workload_config import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from sparsex.engine.llm_engine import LLMEngine
+
+DEFAULT_SIZES = (64, 256, 1024, 4096)
+PREAMBLE_TOKENS = 128        # context before the segment (ReuseConfig.min_context_tokens): not an early encoding
+_SMALL_READS = 5             # latency samples for the tier: reads of a missing key
+
+
+@dataclass
+class StoreBenchConfig:
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    repeats: int = 5
+    redis_server: str | None = None      # redis-server binary; default: on PATH or in /usr/bin, /usr/sbin
+    out: str = "store_bench_out"
+    command: str | None = None
+
+    def verify(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not self.sizes or any(not isinstance(n, int) or n < 2 for n in self.sizes):
+            raise ValueError(f"sizes must be token counts >= 2, got {self.sizes!r}")
+        if len(set(self.sizes)) != len(self.sizes):
+            raise ValueError(f"sizes lists a size twice: {self.sizes!r}")
+        if not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"repeats must be an integer >= 1, got {self.repeats!r}")
+        if self.redis_server is not None and not (os.path.isfile(self.redis_server)
+                                                  and os.access(self.redis_server, os.X_OK)):
+            raise ValueError(f"--redis-server {self.redis_server!r} is not an executable file")
+        if self.redis_server is None:
+            from sparsex.bench import redis_server as rs
+            if not rs.available():
+                raise ValueError("redis-server not found on PATH or in /usr/bin, /usr/sbin: install it "
+                                 "(make install) or pass --redis-server PATH")
+
+
+@dataclass
+class SizeResult:
+    tokens: int
+    kv_mb: float                         # the record's K/V + token ids
+    value_mb: float                      # the serialized record (header + ids + K/V)
+    samples: dict[str, list[float]] = field(default_factory=dict)    # op -> seconds, every measured run
+    ms: dict[str, float] = field(default_factory=dict)               # op -> median ms
+    est_fetch_ms: float | None = None
+    est_recompute_ms: float | None = None
+    decision: str = ""                   # fetch | recompute
+    reason: str = ""
+
+
+# ops, in table order: (key, label, bytes moved: "kv" record or "value" serialized)
+OPS = (("recompute", "recompute (prefill, cache none)", None),
+       ("host_spill", "host spill (device → record)", "kv"),
+       ("host_install", "host install (record → blocks)", "kv"),
+       ("redis_set", "Redis encode + SET", "value"),
+       ("redis_fetch", "Redis GET + decode + install", "value"))
+PARTS = ("encode", "set", "get", "decode", "install")     # the Redis ops' pieces (store.json, third table)
+
+
+def _engine(cfg: StoreBenchConfig, cache: str, num_blocks: int, host_bytes: int = 0) -> LLMEngine:
+    from sparsex.bench.fidelity import pieces_prompt, run_to_completion
+    from sparsex.config import EngineConfig, ReuseConfig
+    from sparsex.engine.llm_engine import LLMEngine
+    from sparsex.sampling_params import SamplingParams
+    engine = LLMEngine(EngineConfig(model=cfg.model, dtype=cfg.dtype, device="cpu", cache=cache, seed=0,
+                                    num_blocks=num_blocks, reuse=ReuseConfig(), host_kv_cache_memory=host_bytes))
+    text = "Warm-up: the quick brown fox jumps over the lazy dog. " * 4
+    run_to_completion(engine, pieces_prompt(engine, [text, "Say hi."], [False, False]),
+                      SamplingParams(temperature=0, max_tokens=2))
+    engine.reset_cache()
+    return engine
+
+
+def _token_stream(tokenizer, need: int) -> list[int]:
+    """At least `need` token ids of real text: Wikipedia passages joined (tokenized as one text)."""
+    from sparsex.bench import workloads
+    count = 8
+    while True:
+        passages = workloads.build_passages(tokenizer, count, 300, 500)
+        ids = tokenizer.encode("".join(p.text + "\n\n" for p in passages), add_special_tokens=False)
+        if len(ids) >= need:
+            return ids
+        count *= 2
+
+
+def _median_ms(xs: list[float]) -> float:
+    return 1000 * statistics.median(xs)
+
+
+def run_store_bench(cfg: StoreBenchConfig) -> dict:
+    import torch
+
+    from sparsex.bench import redis_server as rs
+    from sparsex.bench.fidelity import pieces_prompt, run_to_completion
+    from sparsex.bench.report import environment, loadavg
+    from sparsex.kvstore.fetch_policy import FetchPolicy
+    from sparsex.kvstore.record import decode, encode
+    from sparsex.kvstore.redis_tier import RedisTier
+    from sparsex.sampling_params import SamplingParams
+
+    cfg.verify()
+    t_start = time.time()
+    sizes = sorted(cfg.sizes)
+    top = max(sizes)
+    one = SamplingParams(temperature=0, max_tokens=1)
+    runs = cfg.repeats + 1                              # the first of each is not measured
+
+    # recompute: a cache="none" engine prefills each segment alone
+    engine = _engine(cfg, "none", -(-(top + 2) // 16) + 4)
+    env = environment(cfg.model, cfg.dtype)
+    env["affinity"] = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    stream = _token_stream(engine.tokenizer, PREAMBLE_TOKENS + top)
+    preamble, body = stream[:PREAMBLE_TOKENS], stream[PREAMBLE_TOKENS:]
+    mc = engine.model_config
+    # bytes of one token's KV over every layer (SegmentStore.bytes_per_token)
+    bpt = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * \
+        torch.empty((), dtype=engine.runner.dtype).element_size()
+    results = {n: SizeResult(n, 0.0, 0.0) for n in sizes}
+    for n in sizes:
+        xs = []
+        for r in range(runs):
+            out, _ = run_to_completion(engine, pieces_prompt(engine, [body[:n]], [False]), one)
+            if r:
+                xs.append(out.metrics.ttft)
+        results[n].samples["recompute"] = xs
+    del engine
+    _release()
+
+    # host tier and Redis: a sparsex engine holds the segment as an entry; the tiers move its record.
+    # Its pool: the request (preamble + segment) and two more copies; its host tier: one record at a time
+    sx = _engine(cfg, "sparsex", 3 * (-(-(PREAMBLE_TOKENS + top + 2) // 16)) + 8, host_bytes=2 * bpt * top + (1 << 20))
+    if sx.store.bytes_per_token != bpt:
+        raise RuntimeError(f"KV bytes per token: {sx.store.bytes_per_token} in the store, {bpt} computed here")
+    server = rs.RedisServer(exe=cfg.redis_server)
+    server.start()
+    try:
+        tier = RedisTier(server.url())
+        for _ in range(_SMALL_READS):                   # round-trip latency samples (misses)
+            tier.get_many(["sparsex:bench:absent"])
+        admin = server.client()
+        for n in sizes:
+            seg = body[:n]
+            sx.reset_cache()
+            store = sx.store
+            run_to_completion(sx, pieces_prompt(sx, [preamble, seg, "\n"], [False, True, False]), one)
+            entry = sx.segment_index.lookup(seg, None, count=False)
+            if entry is None:
+                raise RuntimeError(f"the {n}-token segment was not indexed")
+            key = store.key(seg, None)
+            res = results[n]
+            s = res.samples
+            s["host_spill"], s["host_install"] = [], []
+            for part in PARTS:
+                s[part] = []
+            s["redis_set"], s["redis_fetch"] = [], []
+            # host tier: spill (device -> record), install (record -> blocks)
+            for r in range(runs):
+                t0 = time.perf_counter()
+                store.spill(entry)
+                dt = time.perf_counter() - t0
+                if r:
+                    s["host_spill"].append(dt)
+            record = store.host.pop(key)
+            if record is None:
+                raise RuntimeError(f"the host tier did not keep the {n}-token record")
+            res.kv_mb = record.nbytes / 1e6
+            for r in range(runs):
+                sx.segment_index.remove(entry)
+                t0 = time.perf_counter()
+                entry = store.install(record)
+                dt = time.perf_counter() - t0
+                if entry is None:
+                    raise RuntimeError(f"no room in the pool to install the {n}-token record")
+                if r:
+                    s["host_install"].append(dt)
+            # Redis: encode + SET (until written), GET + decode + install
+            before = tier.stats()
+            for r in range(runs):
+                t0 = time.perf_counter()
+                value = encode(record)
+                t1 = time.perf_counter()
+                tier.put(key, value, only_if_absent=False)
+                if not tier.flush(120.0):
+                    raise RuntimeError(f"the {n}-token SET did not complete in 120 s")
+                t2 = time.perf_counter()
+                if r:
+                    s["encode"].append(t1 - t0)
+                    s["set"].append(t2 - t1)
+                    s["redis_set"].append(t2 - t0)
+            res.value_mb = len(value) / 1e6
+            del value
+            for r in range(runs):
+                sx.segment_index.remove(entry)
+                t0 = time.perf_counter()
+                got = tier.get_many([key])[0]
+                t1 = time.perf_counter()
+                if got is None:
+                    raise RuntimeError(f"the {n}-token record is not in the store")
+                fetched = decode(got, None)
+                t2 = time.perf_counter()
+                entry = store.install(fetched)
+                t3 = time.perf_counter()
+                if entry is None:
+                    raise RuntimeError(f"no room in the pool to install the {n}-token record")
+                if r:
+                    s["get"].append(t1 - t0)
+                    s["decode"].append(t2 - t1)
+                    s["install"].append(t3 - t2)
+                    s["redis_fetch"].append(t3 - t0)
+                del got, fetched
+            after = tier.stats()
+            if after.errors > before.errors or after.writes_dropped > before.writes_dropped:
+                raise RuntimeError(f"the Redis tier failed at {n} tokens: {after}")
+            admin.delete(key)
+            del record
+            _release()
+        policy_state = {"bandwidth_mb_s": (tier.bandwidth() or 0) / 1e6, "latency_ms": 1000 * (tier.latency() or 0)}
+        tier.close()
+        admin.close()
+    finally:
+        server.close()                                  # SIGTERM to its pid, then its temp dir
+
+    for res in results.values():
+        res.ms = {op: _median_ms(xs) for op, xs in res.samples.items() if xs}
+
+    # the fetch policy (auto), given what an engine would have measured by now
+    policy = FetchPolicy("auto")
+    for n in sizes:
+        for x in results[n].samples["recompute"]:
+            policy.observe_prefill(n, x)
+    bandwidth, latency = policy_state["bandwidth_mb_s"] * 1e6, policy_state["latency_ms"] / 1000
+    policy_state["prefill_tokens_per_s"] = policy.prefill_tokens_per_s()
+    for n in sizes:
+        d = policy.decide(n, n * bpt, bandwidth, latency)
+        res = results[n]
+        res.est_fetch_ms = None if d.est_fetch_s is None else 1000 * d.est_fetch_s
+        res.est_recompute_ms = None if d.est_recompute_s is None else 1000 * d.est_recompute_s
+        res.decision, res.reason = ("fetch" if d.fetch else "recompute"), d.reason
+
+    env.update(wall_seconds=round(time.time() - t_start, 1), load_avg_end=loadavg(), bytes_per_token=bpt,
+               torch_threads=torch.get_num_threads(), policy=policy_state)
+    text = markdown(results, cfg, env)
+    out = {"environment": env, "config": asdict(cfg), "sizes": [asdict(results[n]) for n in sizes]}
+    os.makedirs(cfg.out, exist_ok=True)
+    with open(os.path.join(cfg.out, "store.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    with open(os.path.join(cfg.out, "store.md"), "w") as f:
+        f.write(text)
+    out["markdown"] = text
+    return out
+
+
+# ---------------------------------------------------------------------------- tables
+
+def markdown(results: dict[int, SizeResult], cfg: StoreBenchConfig, env: dict) -> str:
+    threads = env.get("torch_threads")
+    pinned = env.get("affinity")
+    pin = f", pinned to core{'s' if pinned and len(pinned) > 1 else ''} {','.join(map(str, pinned))}" \
+        if pinned and len(pinned) < (env.get("cores") or 0) else ""
+    pol = env.get("policy", {})
+    lines = [f"{env.get('cpu')} ({env.get('cores')} cores), {threads} torch thread{'s' if threads != 1 else ''}{pin}, "
+             f"torch {env.get('torch')}; {cfg.model}, {cfg.dtype} ({env.get('bytes_per_token'):,} B of KV per token); "
+             f"{env.get('started', '')[:10]}, `{env.get('commit')}`; {env.get('wall_seconds')} s wall. Median of "
+             f"{cfg.repeats} runs after one unmeasured; a local redis-server (loopback) started by the bench.",
+             "", f"    {cfg.command or 'sparsex bench store'}", ""]
+    head = ["tokens", "MB", "operation", "ms", "MB/s", "µs/token", "/ recompute"]
+    rows = []
+    for n, res in sorted(results.items()):
+        rec = res.ms["recompute"]
+        for op, label, moved in OPS:
+            ms = res.ms[op]
+            mb = res.kv_mb if moved in (None, "kv") else res.value_mb
+            rows.append([f"{n:,}", f"{mb:,.1f}", label, f"{ms:,.2f}",
+                         "—" if moved is None else f"{mb / (ms / 1000):,.0f}", f"{1000 * ms / n:,.1f}",
+                         "1" if op == "recompute" else f"{ms / rec:.3f}"])
+    lines += _table(head, rows)
+    lines += ["", "Redis round trips in pieces (median ms): encode / SET (until written) / GET (one MGET) / "
+                  "decode (checksum) / install.", ""]
+    lines += _table(["tokens"] + list(PARTS),
+                    [[f"{n:,}"] + [f"{res.ms[p]:,.2f}" for p in PARTS] for n, res in sorted(results.items())])
+    tps = pol.get("prefill_tokens_per_s")
+    lines += ["", f"Fetch policy (auto) after these measurements: prefill {tps:,.0f} tokens/s (EWMA over the "
+                  f"recomputes, size-weighted), Redis {pol.get('bandwidth_mb_s', 0):,.0f} MB/s past a "
+                  f"{pol.get('latency_ms', 0):.2f} ms round trip (EWMAs of the tier's reads). est. fetch = latency "
+                  f"+ bytes / bandwidth (transfer only: decode and install are not in it).", ""]
+    head = ["tokens", "est. fetch (ms)", "est. recompute (ms)", "auto decides", "measured fetch (GET+decode+install, ms)",
+            "measured recompute (ms)", "cheaper, measured"]
+    rows = []
+    for n, res in sorted(results.items()):
+        cheaper = "fetch" if res.ms["redis_fetch"] < res.ms["recompute"] else "recompute"
+        rows.append([f"{n:,}", _num(res.est_fetch_ms), _num(res.est_recompute_ms), res.decision,
+                     f"{res.ms['redis_fetch']:,.2f}", f"{res.ms['recompute']:,.2f}", cheaper])
+    lines += _table(head, rows)
+    return "\n".join(lines) + "\n"
+
+
+def _num(v: float | None) -> str:
+    return "—" if v is None else f"{v:,.2f}"
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+# ---------------------------------------------------------------------------- CLI
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}") from None
+    if not sizes or any(n < 2 for n in sizes):
+        raise argparse.ArgumentTypeError(f"expected token counts >= 2, got {text!r}")
+    return sizes
+
+
+def add_store_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `store` under `sparsex bench`; the handler is `run_store_bench_cli`."""
+    d = StoreBenchConfig()
+    p = subparsers.add_parser(
+        "store", help="segment store tiers on this machine: host spill/install, Redis SET/fetch vs recompute",
+        description="Per segment size (real passages): recompute (prefill), host-tier spill and install, "
+                    "Redis encode+SET and GET+decode+install against a local redis-server started here; ms, MB, "
+                    "MB/s, µs/token, the ratio to recompute, and what the fetch policy (auto) decides.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--sizes", type=_sizes, default=d.sizes, help="segment sizes in tokens, comma-separated")
+    p.add_argument("--repeats", type=int, default=d.repeats, help="measured runs per timing (median)")
+    p.add_argument("--model", default=d.model)
+    p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--out", default=d.out, help="directory for store.json and store.md")
+    p.add_argument("--redis-server", default=None,
+                   help="redis-server binary (default: on PATH, else /usr/bin or /usr/sbin)")
+    p.set_defaults(func=run_store_bench_cli)
+    return p
+
+
+def run_store_bench_cli(args: argparse.Namespace) -> int:
+    from sparsex.bench.replica_bench import _command
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    cfg = StoreBenchConfig(model=args.model, dtype=args.dtype, sizes=tuple(args.sizes), repeats=args.repeats,
+                           redis_server=args.redis_server, out=args.out, command=_command("store"))
+    cfg.verify()
+    if args.threads is not None:
+        import torch
+        torch.set_num_threads(args.threads)
+    result = run_store_bench(cfg)
+    print(result["markdown"], end="")
+    print(f"outputs: {cfg.out}/ (store.json, store.md)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m sparsex.bench.store_bench ...` (same options as `sparsex bench store`)."""
+    parser = argparse.ArgumentParser(prog="python -m sparsex.bench.store_bench")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_store_bench_parser(sub)
+    args = parser.parse_args(["store", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:
+        print(f"sparsex bench store: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
