@@ -1,2 +1,3 @@
-"""KV of segment entries beyond the device: a host-memory tier and a shared Redis store (issue: one
-replica's segment index is its own). `record.py` is the one entry format every tier stores."""
+"""KV of segment entries beyond the device pool: a host-memory tier and a store shared by replicas
+(Redis). `record.py` is the one entry format every tier stores; `segment_store.py` moves entries
+between the tiers."""

@@ -8,7 +8,7 @@ The extension is compiled at first use with `torch.utils.cpp_extension.load` (g+
 ~/.cache/torch_extensions). Its name carries a hash of this CPU's model and feature flags, so a
 cache shared between machines never loads code built for another instruction set; a changed source
 or flag set is rebuilt by torch. Each function here mirrors a torch reference that stays in the
-calling module (`layernorm.py`, `rotary_embedding.py`, `llama.py`, `attention_backend.py`): the
+calling module (`layernorm.py`, `rotary_embedding.py`, `models/decoder.py`, `attention_backend.py`): the
 reference is what the tests compare against and what runs when `native()` is None, i.e. with
 `SPARSEX_NATIVE_KERNELS=0` (read once, at first use) or when the build failed (one warning).
 Inputs must be CPU tensors in bfloat16 or float32 (`supports`).

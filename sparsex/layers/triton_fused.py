@@ -4,7 +4,7 @@ In eager torch each of these is 3-9 small kernels (casts to float32, pow/mean/rs
 rotated halves, ...): ~10 extra kernels a layer, which dominate a decode step's non-GEMM time and
 the sparse layers of a blended prefill (few rows, launch-bound). Each function here is one kernel
 and reproduces the eager arithmetic (float32 inside, the same roundings to the model dtype), so the
-torch code in `layernorm.py` / `llama.py` / `rotary_embedding.py` stays the reference
+torch code in `layernorm.py` / `models/decoder.py` / `rotary_embedding.py` stays the reference
 (`tests/test_triton_kernels.py` compares them). Imported only for CUDA tensors (Triton is a GPU
 dependency; CPU installs never import this module).
 """
