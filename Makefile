@@ -10,7 +10,7 @@ SYSTEM_PKGS := redis-server nginx
 .PHONY: demo test test-fast install clean
 
 $(STAMP): pyproject.toml Makefile
-	# Redis (the shared segment store; tests/redis_server.py starts a server of its own per test) and nginx,
+	# Redis (the shared segment store; sparsex/bench/redis_server.py starts a server of its own per test or bench) and nginx,
 	# from Debian, only where missing. A temporary policy-rc.d ("exit 101": not allowed), unless one exists,
 	# keeps the packages' postinst from starting the system services: no stray daemon on :6379 / :80, and
 	# redis-server's postinst ends in `invoke-rc.d redis-server start || exit 1`, which fails the whole
