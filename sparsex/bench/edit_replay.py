@@ -652,15 +652,8 @@ def run_edit_replay_cli(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m sparsex.bench.edit_replay ...` (same options as `sparsex bench edit`)."""
-    parser = argparse.ArgumentParser(prog="python -m sparsex.bench.edit_replay")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_edit_replay_parser(sub)
-    args = parser.parse_args(["edit", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return int(args.func(args) or 0)
-    except ValueError as e:
-        print(f"sparsex bench edit: error: {e}", file=sys.stderr)
-        return 2
+    from sparsex.bench import module_main
+    return module_main("edit_replay", "edit", add_edit_replay_parser, argv)
 
 
 if __name__ == "__main__":

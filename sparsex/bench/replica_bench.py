@@ -558,15 +558,8 @@ def run_replica_bench_cli(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m sparsex.bench.replica_bench ...` (same options as `sparsex bench replicas`)."""
-    parser = argparse.ArgumentParser(prog="python -m sparsex.bench.replica_bench")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_replica_bench_parser(sub)
-    args = parser.parse_args(["replicas", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return int(args.func(args) or 0)
-    except ValueError as e:
-        print(f"sparsex bench replicas: error: {e}", file=sys.stderr)
-        return 2
+    from sparsex.bench import module_main
+    return module_main("replica_bench", "replicas", add_replica_bench_parser, argv)
 
 
 if __name__ == "__main__":

@@ -395,15 +395,8 @@ def run_store_bench_cli(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m sparsex.bench.store_bench ...` (same options as `sparsex bench store`)."""
-    parser = argparse.ArgumentParser(prog="python -m sparsex.bench.store_bench")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_store_bench_parser(sub)
-    args = parser.parse_args(["store", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return int(args.func(args) or 0)
-    except ValueError as e:
-        print(f"sparsex bench store: error: {e}", file=sys.stderr)
-        return 2
+    from sparsex.bench import module_main
+    return module_main("store_bench", "store", add_store_bench_parser, argv)
 
 
 if __name__ == "__main__":

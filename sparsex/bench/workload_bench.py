@@ -314,15 +314,8 @@ def run_workload_bench_cli(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m sparsex.bench.workload_bench ...` (same options as `sparsex bench workload`)."""
-    parser = argparse.ArgumentParser(prog="python -m sparsex.bench.workload_bench")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_workload_bench_parser(sub)
-    args = parser.parse_args(["workload", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return int(args.func(args) or 0)
-    except ValueError as e:
-        print(f"sparsex bench workload: error: {e}", file=sys.stderr)
-        return 2
+    from sparsex.bench import module_main
+    return module_main("workload_bench", "workload", add_workload_bench_parser, argv)
 
 
 if __name__ == "__main__":
