@@ -272,7 +272,15 @@ def test_password_protected_server_and_acl_user():
                 assert s.errors == 1 and not s.up and s.writes_dropped == 1
             assert acl.get_many(["sparsex:shared:k"]) == [b"v"]
             assert acl.get_many(["sparsex:0badc0ffee0badc0:k"]) == [None]   # another tenant's key: refused
-            assert acl.stats().errors == 1
+            assert acl.stats().errors == 1 and acl.stats().up        # NOPERM: counted, the tier stays up
+            # a refused write is counted and dropped; the next write, to its own prefix, still lands
+            acl.put("sparsex:0badc0ffee0badc0:w", b"x")
+            assert acl.flush(5)
+            acl.put("sparsex:shared:w", b"y")
+            assert acl.flush(5)
+            s = acl.stats()
+            assert (s.errors, s.writes_dropped, s.up) == (2, 1, True)
+            assert good.get_many(["sparsex:shared:w", "sparsex:0badc0ffee0badc0:w"]) == [b"y", None]
             assert "s3cret" not in repr(good)
         finally:
             for t in (good, anon, wrong, acl):
@@ -346,3 +354,15 @@ def test_fetch_policy_auto_fetches_until_measured_then_flips_on_low_bandwidth():
     for _ in range(30):                                                # a faster engine: recompute wins
         p.observe_prefill(200_000, 1.0)
     assert not p.decide(256, 1 << 20, bandwidth=1e8, latency=0.001).fetch
+
+
+def test_fetch_policy_counts_decode_and_install_once_measured():
+    p = FetchPolicy()
+    p.observe_prefill(2000, 1.0)                                      # 256 tokens: 128 ms to recompute
+    assert p.load_bytes_per_s() is None
+    assert p.decide(256, 1 << 20, bandwidth=1e9, latency=0.001).fetch  # transfer alone: ~2 ms
+    p.observe_load(1 << 20, 0.2)                                      # decode + install: 200 ms per MB
+    p.observe_load(0, 1.0)                                            # ignored
+    assert p.load_bytes_per_s() == pytest.approx((1 << 20) / 0.2)
+    d = p.decide(256, 1 << 20, bandwidth=1e9, latency=0.001)
+    assert not d.fetch and d.est_fetch_s == pytest.approx(0.001 + (1 << 20) / 1e9 + 0.2)

@@ -124,6 +124,7 @@ class RedisTier:
                    "bytes_written": 0, "writes_dropped": 0, "cas_retries": 0}
         self._fetch_seconds = 0.0
         self._up = True
+        self._refusals: set[str] = set()        # kinds of command the server refused (logged once each)
         self._down_until = 0.0                  # time.monotonic() before which no round trip is tried
         self._latency: float | None = None
         self._bw_bytes: float | None = None     # EWMAs of bytes and transfer seconds: their ratio is the
@@ -151,6 +152,18 @@ class RedisTier:
             log.warning("Redis tier %s: %s failed (%s: %s); down, retrying in %.1fs",
                         self.where, what, type(e).__name__, e, self.reconnect_s)
 
+    def _refused(self, what: str, e: redis.ResponseError) -> None:
+        """The server answered but refused the command (an ACL without this key or command, OOM under
+        maxmemory with noeviction): counted, logged once per kind, and the tier stays up, since the
+        connection is fine and other keys or reads may well succeed."""
+        with self._lock:
+            self._c["errors"] += 1
+            first = what not in self._refusals
+            self._refusals.add(what)
+        if first:
+            log.warning("Redis tier %s: %s refused by the server (%s: %s); counted, tier stays up",
+                        self.where, what, type(e).__name__, e)
+
     def _succeeded(self) -> None:
         if not self._up:
             log.info("Redis tier %s: serving again", self.where)
@@ -167,6 +180,8 @@ class RedisTier:
             t0 = time.perf_counter()
             try:
                 values = self._client.mget(keys)
+            except redis.ResponseError as e:
+                self._refused("MGET", e)
             except (redis.RedisError, OSError) as e:
                 self._failed("MGET", e)
             else:
@@ -272,6 +287,11 @@ class RedisTier:
                 written = 0
             else:
                 written = self._cas(key, op[2])
+        except redis.ResponseError as e:
+            self._refused(kind.upper(), e)
+            with self._lock:
+                self._c["writes_dropped"] += 1
+            return
         except (redis.RedisError, OSError) as e:
             self._failed(kind.upper(), e)
             with self._lock:
