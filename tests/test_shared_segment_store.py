@@ -47,6 +47,7 @@ def test_a_segment_computed_on_one_replica_is_reused_by_a_cold_one(smollm2, redi
     out = _run(eb, p, GREEDY, reuse={"selector": "all"})
     st = eb.stats().store
     assert st.remote_hits >= 3 and st.installed_tokens > 300 and out.num_reused_tokens > 300
+    assert eb.store.policy.load_bytes_per_s() > 0          # decode + install measured for the next decision
     # selector="all" recomputes every reused token: B's answer is A's on the same prompt
     want = _run(ea, p, GREEDY, reuse={"selector": "all"})
     assert out.outputs[0].token_ids == want.outputs[0].token_ids

@@ -2,12 +2,15 @@
 
     sparsex bench store --threads 1 --out runs/store
     sparsex bench store --sizes 64 --repeats 2 --out /tmp/store        # a smoke run
+    sparsex bench store --device cuda --model dummy:llama3-8b --dtype bfloat16 --sizes 512,2048,8192
+
 
 (also `python -m sparsex.bench.store_bench ...`). Segments of `--sizes` tokens of real text (Wikipedia
 passages, `workloads.build_passages`, joined; each size a prefix of the same token stream), on the
 model in `--dtype` (SmolLM2-135M fp32: 30 layers x 3 KV heads x 64 x K,V x 4 B = 46,080 B of KV per
-token). Each timing is the median of `--repeats` runs after one unmeasured run; one process, one
-engine at a time.
+token; the Llama-3-8B shape in bf16: 32 x 8 x 128 x 2 x 2 B = 131,072 B). Each timing is the median of
+`--repeats` runs after one unmeasured run; one process, one engine at a time. On `--device cuda` every
+timed step ends with a device synchronisation, and the host tier is pinned as the engine pins it.
 
   recompute     the segment's prefill: a request of its n tokens alone on a cache="none" engine, to
                 the first token (TTFT);
@@ -19,10 +22,12 @@ engine at a time.
   Redis fetch   `RedisTier.get_many` (one MGET) + `record.decode` (checksum verified) + install: what
                 a replica that misses locally pays on the TTFT path.
 
-The Redis server is local (loopback), started here and stopped by its pid. Then the fetch policy
-(`FetchPolicy`, mode auto) is given what an engine would have measured by then (every recompute
-above as a plain prefill; the tier's round-trip latency from 5 small reads and its bandwidth from
-the fetches above) and asked, per size, whether it would fetch the segment or recompute it.
+The Redis server is local (loopback), started here and stopped by its pid, with its request and
+bulk-string limits raised to 4 GB so that a segment of the 8B shape (1 GB at 8k tokens) fits in one
+value. Then the fetch policy (`FetchPolicy`, mode auto) is given what an engine would have measured
+by then (every recompute above as a plain prefill; the tier's round-trip latency from 5 small reads
+and its bandwidth from the fetches above; decode + install of those fetches) and asked, per size,
+whether it would fetch the segment or recompute it.
 
 Outputs in --out: store.json (environment, configuration, every sample) and store.md (the tables).
 """
@@ -52,6 +57,7 @@ _SMALL_READS = 5             # latency samples for the tier: reads of a missing 
 class StoreBenchConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "float32"
+    device: str = "cpu"
     sizes: tuple[int, ...] = DEFAULT_SIZES
     repeats: int = 5
     redis_server: str | None = None      # redis-server binary; default: on PATH or in /usr/bin, /usr/sbin
@@ -59,6 +65,8 @@ class StoreBenchConfig:
     command: str | None = None
 
     def verify(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not self.sizes or any(not isinstance(n, int) or n < 2 for n in self.sizes):
@@ -104,7 +112,7 @@ def _engine(cfg: StoreBenchConfig, cache: str, num_blocks: int, host_bytes: int 
     from sparsex.config import EngineConfig, ReuseConfig
     from sparsex.engine.llm_engine import LLMEngine
     from sparsex.sampling_params import SamplingParams
-    engine = LLMEngine(EngineConfig(model=cfg.model, dtype=cfg.dtype, device="cpu", cache=cache, seed=0,
+    engine = LLMEngine(EngineConfig(model=cfg.model, dtype=cfg.dtype, device=cfg.device, cache=cache, seed=0,
                                     num_blocks=num_blocks, reuse=ReuseConfig(), host_kv_cache_memory=host_bytes))
     text = "Warm-up: the quick brown fox jumps over the lazy dog. " * 4
     run_to_completion(engine, pieces_prompt(engine, [text, "Say hi."], [False, False]),
@@ -123,6 +131,13 @@ def _token_stream(tokenizer, need: int) -> list[int]:
         if len(ids) >= need:
             return ids
         count *= 2
+
+
+def _sync(cfg: StoreBenchConfig) -> None:
+    """Wait for the device: a timed step includes its copies (install's are asynchronous on CUDA)."""
+    if cfg.device == "cuda":
+        import torch
+        torch.cuda.synchronize()
 
 
 def _median_ms(xs: list[float]) -> float:
@@ -149,7 +164,7 @@ def run_store_bench(cfg: StoreBenchConfig) -> dict:
 
     # recompute: a cache="none" engine prefills each segment alone
     engine = _engine(cfg, "none", -(-(top + 2) // 16) + 4)
-    env = environment(cfg.model, cfg.dtype)
+    env = environment(cfg.model, cfg.dtype, cfg.device)
     env["affinity"] = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     stream = _token_stream(engine.tokenizer, PREAMBLE_TOKENS + top)
     preamble, body = stream[:PREAMBLE_TOKENS], stream[PREAMBLE_TOKENS:]
@@ -173,7 +188,8 @@ def run_store_bench(cfg: StoreBenchConfig) -> dict:
     sx = _engine(cfg, "sparsex", 3 * (-(-(PREAMBLE_TOKENS + top + 2) // 16)) + 8, host_bytes=2 * bpt * top + (1 << 20))
     if sx.store.bytes_per_token != bpt:
         raise RuntimeError(f"KV bytes per token: {sx.store.bytes_per_token} in the store, {bpt} computed here")
-    server = rs.RedisServer(exe=cfg.redis_server)
+    server = rs.RedisServer(exe=cfg.redis_server, extra_args=("--proto-max-bulk-len", "4gb",
+                                                              "--client-query-buffer-limit", "4gb"))
     server.start()
     try:
         tier = RedisTier(server.url())
@@ -197,8 +213,10 @@ def run_store_bench(cfg: StoreBenchConfig) -> dict:
             s["redis_set"], s["redis_fetch"] = [], []
             # host tier: spill (device -> record), install (record -> blocks)
             for r in range(runs):
+                _sync(cfg)
                 t0 = time.perf_counter()
                 store.spill(entry)
+                _sync(cfg)
                 dt = time.perf_counter() - t0
                 if r:
                     s["host_spill"].append(dt)
@@ -208,8 +226,10 @@ def run_store_bench(cfg: StoreBenchConfig) -> dict:
             res.kv_mb = record.nbytes / 1e6
             for r in range(runs):
                 sx.segment_index.remove(entry)
+                _sync(cfg)
                 t0 = time.perf_counter()
                 entry = store.install(record)
+                _sync(cfg)
                 dt = time.perf_counter() - t0
                 if entry is None:
                     raise RuntimeError(f"no room in the pool to install the {n}-token record")
@@ -233,6 +253,7 @@ def run_store_bench(cfg: StoreBenchConfig) -> dict:
             del value
             for r in range(runs):
                 sx.segment_index.remove(entry)
+                _sync(cfg)
                 t0 = time.perf_counter()
                 got = tier.get_many([key])[0]
                 t1 = time.perf_counter()
@@ -241,6 +262,7 @@ def run_store_bench(cfg: StoreBenchConfig) -> dict:
                 fetched = decode(got, None)
                 t2 = time.perf_counter()
                 entry = store.install(fetched)
+                _sync(cfg)
                 t3 = time.perf_counter()
                 if entry is None:
                     raise RuntimeError(f"no room in the pool to install the {n}-token record")
@@ -270,8 +292,11 @@ def run_store_bench(cfg: StoreBenchConfig) -> dict:
     for n in sizes:
         for x in results[n].samples["recompute"]:
             policy.observe_prefill(n, x)
+        for dec, inst in zip(results[n].samples["decode"], results[n].samples["install"]):
+            policy.observe_load(int(results[n].kv_mb * 1e6), dec + inst)
     bandwidth, latency = policy_state["bandwidth_mb_s"] * 1e6, policy_state["latency_ms"] / 1000
     policy_state["prefill_tokens_per_s"] = policy.prefill_tokens_per_s()
+    policy_state["load_mb_s"] = (policy.load_bytes_per_s() or 0) / 1e6
     for n in sizes:
         d = policy.decide(n, n * bpt, bandwidth, latency)
         res = results[n]
@@ -300,7 +325,8 @@ def markdown(results: dict[int, SizeResult], cfg: StoreBenchConfig, env: dict) -
     pin = f", pinned to core{'s' if pinned and len(pinned) > 1 else ''} {','.join(map(str, pinned))}" \
         if pinned and len(pinned) < (env.get("cores") or 0) else ""
     pol = env.get("policy", {})
-    lines = [f"{env.get('cpu')} ({env.get('cores')} cores), {threads} torch thread{'s' if threads != 1 else ''}{pin}, "
+    gpu = f"{env['gpu']} (torch {env.get('torch')}), host: " if env.get("gpu") else ""
+    lines = [f"{gpu}{env.get('cpu')} ({env.get('cores')} cores), {threads} torch thread{'s' if threads != 1 else ''}{pin}, "
              f"torch {env.get('torch')}; {cfg.model}, {cfg.dtype} ({env.get('bytes_per_token'):,} B of KV per token); "
              f"{env.get('started', '')[:10]}, `{env.get('commit')}`; {env.get('wall_seconds')} s wall. Median of "
              f"{cfg.repeats} runs after one unmeasured; a local redis-server (loopback) started by the bench.",
@@ -323,8 +349,9 @@ def markdown(results: dict[int, SizeResult], cfg: StoreBenchConfig, env: dict) -
     tps = pol.get("prefill_tokens_per_s")
     lines += ["", f"Fetch policy (auto) after these measurements: prefill {tps:,.0f} tokens/s (EWMA over the "
                   f"recomputes, size-weighted), Redis {pol.get('bandwidth_mb_s', 0):,.0f} MB/s past a "
-                  f"{pol.get('latency_ms', 0):.2f} ms round trip (EWMAs of the tier's reads). est. fetch = latency "
-                  f"+ bytes / bandwidth (transfer only: decode and install are not in it).", ""]
+                  f"{pol.get('latency_ms', 0):.2f} ms round trip (EWMAs of the tier's reads), decode + install "
+                  f"{pol.get('load_mb_s', 0):,.0f} MB/s (EWMA over the fetches above). est. fetch = latency + "
+                  f"bytes / bandwidth + bytes / (decode + install rate).", ""]
     head = ["tokens", "est. fetch (ms)", "est. recompute (ms)", "auto decides", "measured fetch (GET+decode+install, ms)",
             "measured recompute (ms)", "cheaper, measured"]
     rows = []
@@ -369,6 +396,8 @@ def add_store_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     p.add_argument("--repeats", type=int, default=d.repeats, help="measured runs per timing (median)")
     p.add_argument("--model", default=d.model)
     p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--device", default=d.device, choices=("cpu", "cuda"),
+                   help="where the engine runs; cuda pins the host tier (random-weight shapes: dummy:llama3-8b)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--out", default=d.out, help="directory for store.json and store.md")
     p.add_argument("--redis-server", default=None,
@@ -381,7 +410,7 @@ def run_store_bench_cli(args: argparse.Namespace) -> int:
     from sparsex.bench.replica_bench import _command
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    cfg = StoreBenchConfig(model=args.model, dtype=args.dtype, sizes=tuple(args.sizes), repeats=args.repeats,
+    cfg = StoreBenchConfig(model=args.model, dtype=args.dtype, device=args.device, sizes=tuple(args.sizes), repeats=args.repeats,
                            redis_server=args.redis_server, out=args.out, command=_command("store"))
     cfg.verify()
     if args.threads is not None:

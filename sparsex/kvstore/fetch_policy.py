@@ -1,11 +1,13 @@
 """Fetch a span's KV from a store tier only when that is cheaper than recomputing it.
 
     est_fetch     = latency + bytes / bandwidth            (the tier's measured estimates)
+                  + bytes / load_bytes_per_s               (decode + install, measured here)
     est_recompute = tokens / prefill_tokens_per_s          (the engine's measured prefill throughput)
 
 A small model on a fast GPU recomputes a short span faster than a remote store returns it; a large
 model on a CPU does the opposite. Before both sides are measured the policy fetches (optimistic: the
-first fetches are what measure the store).
+first fetches are what measure the store); until a fetched record was decoded and installed, the
+load term is left out.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ class FetchDecision:
 
 class FetchPolicy:
     """Fetch a span from a tier only when it is cheaper than recomputing it: est_fetch = latency +
-    bytes / bandwidth vs est_recompute = tokens / prefill_tokens_per_s."""
+    bytes / bandwidth + bytes / load rate vs est_recompute = tokens / prefill_tokens_per_s."""
 
     def __init__(self, mode: str = "auto"):
         if mode not in FETCH_MODES:
@@ -37,6 +39,8 @@ class FetchPolicy:
         self._lock = threading.Lock()
         self._tokens: float | None = None      # EWMAs of tokens and seconds per prefill: their ratio is
         self._seconds: float | None = None     # the size-weighted throughput
+        self._load_bytes: float | None = None  # the same for decode + install of fetched records
+        self._load_seconds: float | None = None
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """Feed one prefill's tokens and seconds (EWMA of the engine's prefill throughput)."""
@@ -47,6 +51,19 @@ class FetchPolicy:
             self._tokens = tokens if self._tokens is None else (1 - a) * self._tokens + a * tokens
             self._seconds = seconds if self._seconds is None else (1 - a) * self._seconds + a * seconds
 
+    def observe_load(self, nbytes: int, seconds: float) -> None:
+        """Feed one fetched record's bytes and the seconds its decode (checksum) + install took."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            a = _EWMA_ALPHA
+            self._load_bytes = nbytes if self._load_bytes is None else (1 - a) * self._load_bytes + a * nbytes
+            self._load_seconds = seconds if self._load_seconds is None else (1 - a) * self._load_seconds + a * seconds
+
+    def load_bytes_per_s(self) -> float | None:
+        with self._lock:
+            return None if self._load_bytes is None else self._load_bytes / self._load_seconds
+
     def prefill_tokens_per_s(self) -> float | None:
         with self._lock:
             return None if self._tokens is None else self._tokens / self._seconds
@@ -55,6 +72,9 @@ class FetchPolicy:
                latency: float | None) -> FetchDecision:
         tps = self.prefill_tokens_per_s()
         est_fetch = None if not bandwidth or bandwidth <= 0 else (latency or 0.0) + nbytes / bandwidth
+        load = self.load_bytes_per_s()
+        if est_fetch is not None and load:
+            est_fetch += nbytes / load
         est_recompute = None if tps is None else num_tokens / tps
         if self.mode == "always":
             fetch, reason = True, "mode=always"

@@ -224,6 +224,7 @@ class SegmentStore:
         for i, value in zip(wanted, values):
             if value is None:
                 continue
+            t_decode = time.perf_counter()
             try:
                 record = decode(value, spans[i][1])
             except CorruptRecord as e:
@@ -232,12 +233,15 @@ class SegmentStore:
                 continue
             if np.array_equal(record.token_ids, np.asarray(spans[i][0], dtype=np.int32)):
                 out[i] = record
+                # decode time now; install() adds its own when the planner installs the record
+                record.load_seconds = time.perf_counter() - t_decode
         self.fetch_seconds += time.perf_counter() - t0
         return out
 
     def install(self, record: SegmentRecord) -> SegmentEntry | None:
         """Make `record` a segment entry: blocks from the pool's free queue (None, nothing changed,
         when it is short: a fetch never evicts what the device holds), K/V of every layer written."""
+        t0 = time.perf_counter()
         bs = self.index.block_size
         first, last = record.start_pos // bs, (record.start_pos + record.num_tokens - 1) // bs
         pool = self.index.pool
@@ -256,6 +260,9 @@ class SegmentStore:
             return None
         entry.num_encodings = record.num_encodings
         self.installed_tokens += record.num_tokens
+        if record.load_seconds is not None:               # a remote fetch: feed its decode + install time
+            self.policy.observe_load(record.nbytes, record.load_seconds + time.perf_counter() - t0)
+            record.load_seconds = None
         return entry
 
     # ---- accounting ----------------------------------------------------------------------------
