@@ -65,19 +65,19 @@ def _configs(vocab: int, eos: int, bos: int) -> dict:
 FAMILIES = ("qwen3", "mistral", "phi3", "gemma3_text", "granite", "qwen3_moe", "mixtral")
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def family(request, tmp_path_factory, smollm2):
-    """(name, HF directory, transformers reference model, prefix-caching engine)."""
-    from transformers import AutoModelForCausalLM
-    name = request.param
-    tok = smollm2.tokenizer
-    cfg = _configs(len(tok), tok.eos_token_id, tok.bos_token_id or tok.eos_token_id)[name]
-    cls = {"qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM",
-           "gemma3_text": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-           "mixtral": "MixtralForCausalLM"}[name]
+HF_CLASSES = {"qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM",
+              "gemma3_text": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM",
+              "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+
+
+def build_family(name: str, tok, path) -> torch.nn.Module:
+    """Save a tiny random-weight `name` model (and `tok`) in `path`; return transformers' model loaded
+    back from it (fp32, eager attention): the reference."""
     import transformers
+    from transformers import AutoModelForCausalLM
+    cfg = _configs(len(tok), tok.eos_token_id, tok.bos_token_id or tok.eos_token_id)[name]
     torch.manual_seed(0)
-    model = getattr(transformers, cls)(cfg)
+    model = getattr(transformers, HF_CLASSES[name])(cfg)
     with torch.no_grad():
         for pname, p in model.named_parameters():
             # larger than init so attention is far from uniform; norms around 1 (Gemma stores w of 1 + w)
@@ -85,10 +85,17 @@ def family(request, tmp_path_factory, smollm2):
                 p.copy_(torch.randn_like(p) * 0.2 + (0.0 if name == "gemma3_text" else 1.0))
             else:
                 p.normal_(0, 0.2)
-    path = tmp_path_factory.mktemp(name)
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory, smollm2):
+    """(name, HF directory, transformers reference model, prefix-caching engine)."""
+    name = request.param
+    path = tmp_path_factory.mktemp(name)
+    ref = build_family(name, smollm2.tokenizer, path)
     llm = LLM(model=str(path), cache="prefix", dtype="float32")
     yield name, str(path), ref, llm
 
