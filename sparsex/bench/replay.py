@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sparsex.bench.answer_scoring import exact_match, token_f1
@@ -49,6 +49,7 @@ class RequestRecord:
     position_kl: list[float] | None = None   # KL at each teacher-forced position (any shorter horizon's metrics)
     miss_positions: list[int] | None = None  # teacher-forced positions where top-1 disagreed
     span_search_ms: float = 0.0    # host time finding transparent spans (on the TTFT path)
+    reused_by_source: dict = field(default_factory=dict)   # ReusedSpan.source -> tokens
     recurring_tokens: int = 0      # tokens of units (passages, results) an earlier request or the ingestion held
     recurring_served: int = 0      # ... of them served from cache (exact prefix or a reused span)
 
@@ -173,6 +174,8 @@ def replay_policy(cfg: WorkloadBenchConfig, policy: Policy, timed: LLMEngine,
             st1.segment_cache_queries - st0.segment_cache_queries, st1.segment_cache_hits - st0.segment_cache_hits,
             fid[i], approx_prefix_tokens=approx,
             span_search_ms=1000 * (st1.span_search_seconds - st0.span_search_seconds))
+        for s in out.reused_spans:
+            rec.reused_by_source[s.source] = rec.reused_by_source.get(s.source, 0) + s.num_tokens
         if recurring is not None:
             mask = recurring[i]
             served = served_mask(n, cached, out.reused_spans)
