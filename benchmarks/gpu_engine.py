@@ -987,6 +987,9 @@ def main() -> None:
     ap.add_argument("--model", default=MODEL,
                     help="dummy:<shape> whose random weights the speed sections run, e.g. dummy:qwen3-8b, "
                          "dummy:gemma3-12b, dummy:qwen3-30b-a3b (models/dummy.py lists the shapes)")
+    ap.add_argument("--kv-gib", type=float, default=20.0,
+                    help="KV pool of the cache='none' engine (prefill, decode sections), GiB; the MoE shape's "
+                         "61 GB of bf16 weights leave less room on an 80 GB card")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="move every object alive after the engines are built out of the cyclic GC's reach "
                          "(gc.freeze), so a collection walks only what requests allocate")
@@ -1012,7 +1015,7 @@ def main() -> None:
         if any(s in sections for s in ("ceil", "prefill", "decode", "decodeprof", "blend", "blendprof", "syncs",
                                         "spans")):
             ceil = section_ceil()
-            llm_none = make_llm("none", 20 if DEV.type == "cuda" else 0.05)
+            llm_none = make_llm("none", args.kv_gib if DEV.type == "cuda" else 0.05)
             hf = None
             if "prefill" in sections or "decode" in sections:
                 hf = hf_from_ours(llm_none.llm_engine.runner.model, llm_none.llm_engine.runner.model_config)
