@@ -114,6 +114,22 @@ def test_overlapping_candidates_resolve_longest_first_and_respect_taken():
     assert [(s, e) for s, e, _, _ in got] == [(110, 170)] or [(s, e) for s, e, _, _ in got] == [(100, 170)]
 
 
+def test_a_merged_entry_serves_its_passage_before_a_longer_single_encoding_run():
+    """An earlier request held glue + passage + glue (one encoding); the passage's entry holds the mean
+    of two encodings. The passage comes from the entry, the glue around it (if long enough) from the run;
+    with a single-encoding entry the longer run wins as before."""
+    for encodings, want in ((2, [(0, 40, "request"), (40, 140, "entry"), (140, 170, "request")]),
+                            (1, [(0, 170, "request")])):
+        kv, spans, index = make()
+        glue_a, passage, glue_b = toks(40), toks(100), toks(30)
+        run_request(kv, glue_a + passage + glue_b + toks(6))
+        entry = add_entry(kv, index, passage, start_pos=400)
+        entry.num_encodings = encodings
+        got = find(spans, glue_a + passage + glue_b)
+        assert [(s, e, k) for s, e, k, _ in got] == want, encodings
+        index.check_integrity()
+
+
 def test_early_source_positions_do_not_serve_late():
     kv, spans, index = make()
     p = toks(200)

@@ -122,13 +122,14 @@ class ReusePlanner:
             runs = self.spans.find(req.prompt_token_array, num_prefix_hit, end - 1, req.cache_salt,
                                    reuse.min_segment_tokens, early, reuse.min_context_tokens)
             # A run found by content that covers explicit hits and serves more than they do (the
-            # template glue between re-sent messages, which no segment holds) replaces them;
-            # otherwise the explicit hits stand (an entry may hold merged encodings) and the runs
-            # keep only what lies outside them
+            # template glue between re-sent messages, which no segment holds) replaces them, unless
+            # one of them holds merged encodings (nearer this context than the run's one encoding);
+            # otherwise the explicit hits stand and the runs keep only what lies outside them
             replaced = set()
             for m in runs:
                 covered = [i for i, h in enumerate(hits) if m.start <= h.start and h.end <= m.end]
-                if covered and sum(hits[i].num_tokens for i in covered) < m.num_tokens:
+                if covered and sum(hits[i].num_tokens for i in covered) < m.num_tokens \
+                        and all(hits[i].entry.num_encodings == 1 for i in covered):
                     replaced.update(covered)
             hits = [h for i, h in enumerate(hits) if i not in replaced]
             taken = [(h.start, h.end) for h in hits] + early

@@ -277,23 +277,36 @@ class SpanIndex:
             starts = (pos + lo).tolist()
             found: list[SpanMatch] = []
             i, n = 0, len(hashes)
+            # anchors before this lie inside a single-encoding run already found: there only a merged
+            # entry can serve better (resolve_spans puts it first and keeps the run's pieces around it)
+            covered_to = -1
+            any_merged = None         # does this tenant hold a merged entry at all (asked once, if needed)
             while i < n:
                 r = table.get(hashes[i])
                 if not r:
                     i += 1
                     continue
                 p = starts[i]
+                # a merged entry outranks any other source whatever its length: extend only those
+                if p < covered_to or any(merged(src) for src, _ in r):
+                    r = [(src, off) for src, off in r if merged(src)]
                 best = None
                 for src, off in r:
                     m = self._extend(prompt, lo, hi, p, src, off, min_context_tokens)
-                    if m is not None and m.num_tokens >= min_tokens and (best is None or m.num_tokens > best.num_tokens):
+                    if m is not None and m.num_tokens >= min_tokens and (best is None or _rank(m) > _rank(best)):
                         best = m
                 if best is None:
                     i += 1
                     continue
                 found.append(best)
-                # the anchors inside the run just found were extended over: go on past its end
-                i = max(i + 1, bisect.bisect_left(starts, best.end, i + 1))
+                if any_merged is None and not merged(best.source):
+                    any_merged = any(merged(src) for src in self._entries.values() if src.cache_salt == cache_salt)
+                if merged(best.source) or not any_merged:
+                    # the anchors inside the run just found were extended over: go on past its end
+                    i = max(i + 1, bisect.bisect_left(starts, best.end, i + 1))
+                else:
+                    covered_to = max(covered_to, best.end)
+                    i += 1
             return resolve_spans(found, list(taken), min_tokens)
         finally:
             self.search_seconds += time.perf_counter() - t0
@@ -347,27 +360,49 @@ class SpanIndex:
                 raise RuntimeError(f"request run block {bid} is not a cached block any more")
 
 
+def merged(source: SpanSource) -> bool:
+    """A segment entry whose KV is the mean of several encodings: nearer a new context than any one
+    encoding (docs/benchmarks.md, merged encodings), so preferred to a longer single-encoding run."""
+    return source.entry is not None and source.entry.num_encodings > 1
+
+
+def _rank(m: SpanMatch) -> tuple[bool, int]:
+    return merged(m.source), m.num_tokens
+
+
 def resolve_spans(found: list[SpanMatch], taken: list[tuple[int, int]], min_tokens: int) -> list[SpanMatch]:
-    """Longest first: each run keeps its pieces that no longer run or `taken` interval covers, if a
-    piece still has `min_tokens` tokens."""
+    """Runs from merged entries first, then longest first: each run keeps its pieces that no earlier
+    run or `taken` interval covers, if a piece still has `min_tokens` tokens. (A run that covers a
+    merged entry's passage and the template glue around it serves the glue, if long enough, and the
+    passage from the mean of its encodings.)"""
     out: list[SpanMatch] = []
-    occupied = sorted(taken)
-    for m in sorted(found, key=lambda m: (-m.num_tokens, m.start)):
-        pieces = [(m.start, m.end)]
-        for a, b in occupied:
-            nxt = []
-            for s, e in pieces:
-                if b <= s or e <= a:
-                    nxt.append((s, e))
-                    continue
-                if s < a:
-                    nxt.append((s, a))
-                if b < e:
-                    nxt.append((b, e))
-            pieces = nxt
+    # the served intervals, disjoint and sorted (`taken` merged first): each run looks only at the
+    # intervals that overlap it (bisect), so resolving k runs costs O(k log k), not O(k^2)
+    starts: list[int] = []
+    ends: list[int] = []
+    for a, b in sorted(taken):
+        if a >= b:
+            continue
+        if ends and a <= ends[-1]:
+            ends[-1] = max(ends[-1], b)
+        else:
+            starts.append(a)
+            ends.append(b)
+    for m in sorted(found, key=lambda m: (not merged(m.source), -m.num_tokens, m.start)):
+        j = max(bisect.bisect_right(starts, m.start) - 1, 0)
+        pieces, s = [], m.start
+        while j < len(starts) and starts[j] < m.end:
+            if ends[j] > s:
+                if starts[j] > s:
+                    pieces.append((s, starts[j]))
+                s = ends[j]
+            j += 1
+        if s < m.end:
+            pieces.append((s, m.end))
         for s, e in pieces:
             if e - s >= min_tokens:
                 out.append(SpanMatch(s, e, m.source, m.offset + s - m.start))
-                occupied.append((s, e))
-        occupied.sort()
+                k = bisect.bisect_left(starts, s)
+                starts.insert(k, s)
+                ends.insert(k, e)
     return sorted(out, key=lambda m: m.start)
