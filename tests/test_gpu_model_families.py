@@ -1,6 +1,9 @@
 """Every supported family on CUDA (skipped without a GPU): the Triton kernels with sliding windows,
 per-layer RoPE bases and partial rotary, the MoE path, CUDA-graph decode.
 
+Self-contained, so that it runs on a GPU machine with neither SmolLM2 nor the Wikipedia package: a
+word-level tokenizer built here (`tokenizers`) and prompts of seeded random token ids.
+
 Per family, the tiny random-weight model of tests/test_model_families.py: fp32 greedy tokens equal
 transformers' (CPU, fp32) and CUDA-graph decode gives the eager tokens; `selector="all"` equals plain
 prefill on the GPU; bf16 agrees with fp32 on most teacher-forced top-1 tokens. fp32 attention runs
@@ -10,6 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+import numpy as np
 
 from sparsex import LLM, SamplingParams
 from sparsex.bench.fidelity import pieces_prompt, run_to_completion
@@ -22,19 +27,36 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprob
 ONE = SamplingParams(temperature=0.0, max_tokens=1)
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def family(request, tmp_path_factory, smollm2):
-    """(name, HF directory, transformers reference model on the CPU)."""
-    name = request.param
-    path = tmp_path_factory.mktemp(f"gpu-{name}")
-    return name, str(path), build_family(name, smollm2.tokenizer, path)
+VOCAB = 2048
 
 
 @pytest.fixture(scope="module")
-def prompts(smollm2, wiki_texts):
-    tok = smollm2.tokenizer
-    texts = ["The capital of France is", wiki_texts[0][:500], " ".join(wiki_texts[1:3])[:1400]]
-    return [tok.encode(t) for t in texts]                 # ~6, ~110, ~300 tokens: past every window
+def tokenizer():
+    """A word-level tokenizer of VOCAB entries (w0, w1, ...), BOS 1, EOS 2."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory, tokenizer):
+    """(name, HF directory, transformers reference model on the CPU)."""
+    name = request.param
+    path = tmp_path_factory.mktemp(f"gpu-{name}")
+    return name, str(path), build_family(name, tokenizer, path)
+
+
+def _ids(rng, n: int) -> list[int]:
+    return rng.integers(3, VOCAB, size=n).tolist()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [_ids(rng, n) for n in (6, 110, 300)]          # past every window
 
 
 def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams):
@@ -67,17 +89,17 @@ def test_fp32_greedy_matches_transformers_with_and_without_cuda_graphs(family, p
         [o.outputs[0].token_ids for o in outs], f"{name}: CUDA-graph decode differs from eager"
 
 
-def test_selector_all_equals_plain_prefill_on_cuda(family, wiki_texts):
+def test_selector_all_equals_plain_prefill_on_cuda(family):
     name, path, _ = family
+    rng = np.random.default_rng(1)
     sx = LLM(model=path, device="cuda", cache="sparsex", dtype="float32", min_blend_tokens=0,
              transparent_segments=False)
     full = LLM(model=path, device="cuda", cache="none", dtype="float32")
     eng, ref = sx.llm_engine, full.llm_engine
-    passages = [t[:500] for t in wiki_texts[20:23]]
-    question = "\nQuestion: which passage above is the oldest? Answer:"
-    run_to_completion(eng, pieces_prompt(eng, ["System: answer from the passages.\n\n", *passages, question],
-                                         [True] * 4 + [False]), ONE)
-    p = pieces_prompt(eng, ["Another system prompt.\n", *passages[::-1], question], [True] * 4 + [False])
+    passages = [_ids(rng, 120) for _ in range(3)]
+    question = _ids(rng, 12)
+    run_to_completion(eng, pieces_prompt(eng, [_ids(rng, 20), *passages, question], [True] * 4 + [False]), ONE)
+    p = pieces_prompt(eng, [_ids(rng, 16), *passages[::-1], question], [True] * 4 + [False])
     n = len(p.token_ids)
 
     def tail(engine, reuse=None):
@@ -95,14 +117,21 @@ def test_selector_all_equals_plain_prefill_on_cuda(family, wiki_texts):
 
 
 def test_bf16_agrees_with_fp32_on_teacher_forced_top1(family, prompts):
+    """Random weights on random ids leave many near-ties, so only positions whose fp32 top two are
+    more than 0.1 apart count. bf16 rounding moves some of those too (the tiny Phi-3 agrees on 85%
+    of them on the CPU path); a broken kernel agrees on few."""
     name, path, _ = family
     ids = prompts[2]
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)   # its token + the top-1
-    top = {}
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)    # its token + the top two
+    dists = {}
     for dtype in ("float32", "bfloat16"):
         llm = LLM(model=path, device="cuda", dtype=dtype, cache="none")
-        out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
-        top[dtype] = [max(lp, key=lp.get) for lp in out.prompt_logprobs[1:]]
+        dists[dtype] = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].prompt_logprobs[1:]
         del llm
-    agree = sum(a == b for a, b in zip(top["float32"], top["bfloat16"])) / len(top["float32"])
-    assert agree >= 0.8, (name, agree)
+    clear = agree = 0
+    for want, got in zip(dists["float32"], dists["bfloat16"]):
+        top = sorted(want.values(), reverse=True)
+        if top[0] - top[1] > 0.1:
+            clear += 1
+            agree += max(want, key=want.get) == max(got, key=got.get)
+    assert clear >= 50 and agree / clear >= 0.8, (name, agree, clear)
