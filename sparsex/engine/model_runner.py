@@ -109,6 +109,10 @@ class ModelRunner:
         self.block_tables = BlockTables()
         # decode steps replay CUDA graphs (captured at the first such step) unless this is set
         self.enforce_eager = os.environ.get("SPARSEX_ENFORCE_EAGER", "0") == "1"
+        # an MoE block on its per-expert loop (fp32, or no grouped GEMM) reads counts on the host: no graphs
+        from sparsex.models.moe import SparseMoeBlock
+        self.graphs_capturable = all(m.graph_capturable(self.device, self.dtype) for m in self.model.modules()
+                                     if isinstance(m, SparseMoeBlock))
         self.decode_graphs: DecodeGraphs | None = None
 
     def reset_blend_state(self) -> None:
@@ -176,7 +180,7 @@ class ModelRunner:
 
     def _graph_ok(self, sched: SchedulerOutput) -> bool:
         """CUDA graphs only for steps whose every request is a one-row decode and nothing blends."""
-        if self.device.type != "cuda" or self.enforce_eager:
+        if self.device.type != "cuda" or self.enforce_eager or not self.graphs_capturable:
             return False
         if any(s.request.params.distributions_from is not None for s in sched.scheduled):
             return False          # a graph computes the sampled rows' logits only

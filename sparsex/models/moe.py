@@ -163,6 +163,13 @@ class SparseMoeBlock(nn.Module):
                 and _cuda_grouped_mm_capable(x.device.index if x.device.index is not None
                                              else torch.cuda.current_device()))
 
+    def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether a CUDA graph can hold this block: only the grouped-GEMM path keeps the expert
+        offsets on the device (the per-expert loop reads the counts on the host)."""
+        return (device.type == "cuda" and dtype == torch.bfloat16 and _grouped_mm is not None
+                and self.hidden % 8 == 0 and self.inter % 8 == 0
+                and _cuda_grouped_mm_capable(device.index if device.index is not None else torch.cuda.current_device()))
+
     def _experts_loop(self, x: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Expert outputs of the sorted assignments [S, hidden]: one pair of matmuls per expert that
         received tokens. Reads `counts` on the host (a sync on CUDA)."""
