@@ -33,7 +33,8 @@ def device() -> torch.device:
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    out, ref = out.float().cpu(), ref.float().cpu()          # references may be computed on the CPU
+    return ((out - ref).norm() / ref.norm()).item()
 
 
 def make_batch(
