@@ -18,6 +18,10 @@ FETCH_MODES = ("auto", "always", "never")
 _EWMA_ALPHA = 0.2
 
 
+def _ewma(old: float | None, sample: float) -> float:
+    return sample if old is None else (1 - _EWMA_ALPHA) * old + _EWMA_ALPHA * sample
+
+
 @dataclass
 class FetchDecision:
     fetch: bool
@@ -47,18 +51,14 @@ class FetchPolicy:
         if tokens <= 0 or seconds <= 0:
             return
         with self._lock:
-            a = _EWMA_ALPHA
-            self._tokens = tokens if self._tokens is None else (1 - a) * self._tokens + a * tokens
-            self._seconds = seconds if self._seconds is None else (1 - a) * self._seconds + a * seconds
+            self._tokens, self._seconds = _ewma(self._tokens, tokens), _ewma(self._seconds, seconds)
 
     def observe_load(self, nbytes: int, seconds: float) -> None:
         """Feed one fetched record's bytes and the seconds its decode (checksum) + install took."""
         if nbytes <= 0 or seconds <= 0:
             return
         with self._lock:
-            a = _EWMA_ALPHA
-            self._load_bytes = nbytes if self._load_bytes is None else (1 - a) * self._load_bytes + a * nbytes
-            self._load_seconds = seconds if self._load_seconds is None else (1 - a) * self._load_seconds + a * seconds
+            self._load_bytes, self._load_seconds = _ewma(self._load_bytes, nbytes), _ewma(self._load_seconds, seconds)
 
     def load_bytes_per_s(self) -> float | None:
         with self._lock:
