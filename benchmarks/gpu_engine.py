@@ -184,12 +184,19 @@ class SdpaPlainPrefill:
         backend.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
     @staticmethod
-    def attention(query, k_cache, v_cache, md, scale, key=None, value=None):
+    def attention(query, k_cache, v_cache, md, scale, key=None, value=None, sliding_window=None,
+                  logits_soft_cap=None):
+        if logits_soft_cap is not None:
+            raise ValueError("the SDPA diagnostic has no logits softcap")
         n = query.shape[0]
         k = k_cache.view(-1, *k_cache.shape[2:])[:n]
         v = v_cache.view(-1, *v_cache.shape[2:])[:n]
+        mask = None
+        if sliding_window is not None:          # key j visible to row i when i - window < j <= i (a mask: SDPA's memory-efficient path)
+            i = torch.arange(n, device=query.device)
+            mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window)
         o = F.scaled_dot_product_attention(query.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                           is_causal=True, scale=scale, enable_gqa=True)
+                                           attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
         return o[0].transpose(0, 1)
 
 
