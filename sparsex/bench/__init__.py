@@ -2,8 +2,32 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from typing import Callable
+
+THREADS_HELP = "torch intra-op threads (default: torch's)"
+
+
+def add_threads_arg(p: argparse.ArgumentParser, help: str = THREADS_HELP) -> None:
+    """`--threads N` (an integer >= 1, checked by argparse: a usage error before anything loads)."""
+    from sparsex.cli import positive_int
+    p.add_argument("--threads", type=positive_int, default=None, help=help)
+
+
+def set_threads(threads: int | None) -> None:
+    if threads is not None:
+        import torch
+        torch.set_num_threads(threads)
+
+
+def command_line(name: str) -> str:
+    """The `sparsex bench <name> ...` command this process runs, for a report's caption."""
+    argv = sys.argv[1:]
+    if name in argv:
+        argv = argv[argv.index(name) + 1:]
+        return shlex.join(["sparsex", "bench", name, *argv])
+    return f"sparsex bench {name} (in-process)"
 
 
 def module_main(module: str, command: str, add_parser: Callable, argv: list[str] | None = None) -> int:

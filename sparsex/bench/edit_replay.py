@@ -61,6 +61,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from sparsex.bench import add_threads_arg, set_threads
 from sparsex.bench.datasets import (WikiEntry, load_bfcl_tool_docs, load_bfcl_web_search_tasks,
                                     load_wiki_entries)
 from sparsex.bench.engine_cache import EngineCache
@@ -611,21 +612,10 @@ def add_edit_replay_parser(subparsers: argparse._SubParsersAction) -> argparse.A
                    help="agent: search results per tool message")
     p.add_argument("--fidelity-tokens", type=int, default=d.fidelity_tokens,
                    help="greedy tokens of request 2 compared with full prefill")
-    # checked by argparse: `sparsex` sets the threads before the handler runs
-    p.add_argument("--threads", type=_thread_count, default=None, help="torch intra-op threads (default: torch's)")
+    add_threads_arg(p)
     p.add_argument("--out", required=True, help="directory for results.json and summary.md")
     p.set_defaults(func=run_edit_replay_cli)
     return p
-
-
-def _thread_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
 
 
 def config_from_args(args: argparse.Namespace) -> EditReplayConfig:
@@ -641,9 +631,7 @@ def run_edit_replay_cli(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)             # before anything loads
     from sparsex.models.loader import resolve_model_name
     resolve_model_name(cfg.model)
-    if args.threads is not None:
-        import torch
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     rows = run_edit_replay(cfg)
     print(summary_markdown(rows), end="")
     print(f"outputs: {cfg.out}/ (results.json, summary.md)")

@@ -42,7 +42,6 @@ import argparse
 import gc
 import json
 import os
-import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -50,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from sparsex.bench import add_threads_arg, command_line, set_threads
 from sparsex.bench.workload_config import DEFAULT_MODEL, MAX_AUTO_BLOCKS, WorkloadBenchConfig, WorkloadParams
 
 if TYPE_CHECKING:
@@ -510,7 +510,7 @@ def add_replica_bench_parser(subparsers: argparse._SubParsersAction) -> argparse
                    help="the next requests, served by a third replica that joins cold")
     p.add_argument("--model", default=d.model)
     p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    add_threads_arg(p)
     p.add_argument("--out", default=d.out, help="directory for replicas.json and replicas.md")
     p.add_argument("--redis-server", default=None,
                    help="redis-server binary (default: on PATH, else /usr/bin or /usr/sbin)")
@@ -529,27 +529,15 @@ def add_replica_bench_parser(subparsers: argparse._SubParsersAction) -> argparse
     return p
 
 
-def _command(name: str) -> str:
-    argv = sys.argv[1:]
-    if name in argv:
-        argv = argv[argv.index(name) + 1:]
-        return shlex.join(["sparsex", "bench", name, *argv])
-    return f"sparsex bench {name} (in-process)"
-
-
 def run_replica_bench_cli(args: argparse.Namespace) -> int:
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     cfg = ReplicaBenchConfig(model=args.model, dtype=args.dtype, queries=args.queries,
                              join_queries=args.join_queries, k=args.k, num_passages=args.num_passages,
                              passage_tokens=args.passage_tokens, zipf_a=args.zipf_a, seed=args.seed,
                              prewarm_passes=args.prewarm_passes, num_blocks=args.num_blocks, fetch=args.fetch,
                              redis_server=args.redis_server, out=args.out, progress=not args.no_progress,
-                             command=_command("replicas"))
+                             command=command_line("replicas"))
     cfg.verify()                     # before anything loads
-    if args.threads is not None:
-        import torch
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     result = run_replica_bench(cfg)
     print(result["markdown"], end="")
     print(f"outputs: {cfg.out}/ (replicas.json, replicas.md)")

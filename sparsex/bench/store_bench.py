@@ -42,6 +42,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from sparsex.bench import add_threads_arg, command_line, set_threads
 from sparsex.bench.replica_bench import _release
 from sparsex.bench.workload_config import DEFAULT_MODEL
 
@@ -398,7 +399,7 @@ def add_store_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16"))
     p.add_argument("--device", default=d.device, choices=("cpu", "cuda"),
                    help="where the engine runs; cuda pins the host tier (random-weight shapes: dummy:llama3-8b)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    add_threads_arg(p)
     p.add_argument("--out", default=d.out, help="directory for store.json and store.md")
     p.add_argument("--redis-server", default=None,
                    help="redis-server binary (default: on PATH, else /usr/bin or /usr/sbin)")
@@ -407,15 +408,10 @@ def add_store_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.A
 
 
 def run_store_bench_cli(args: argparse.Namespace) -> int:
-    from sparsex.bench.replica_bench import _command
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     cfg = StoreBenchConfig(model=args.model, dtype=args.dtype, device=args.device, sizes=tuple(args.sizes), repeats=args.repeats,
-                           redis_server=args.redis_server, out=args.out, command=_command("store"))
+                           redis_server=args.redis_server, out=args.out, command=command_line("store"))
     cfg.verify()
-    if args.threads is not None:
-        import torch
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     result = run_store_bench(cfg)
     print(result["markdown"], end="")
     print(f"outputs: {cfg.out}/ (store.json, store.md)")

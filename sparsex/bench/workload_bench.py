@@ -68,6 +68,7 @@ import sys
 import time
 from typing import Any
 
+from sparsex.bench import add_threads_arg, set_threads
 from sparsex.bench.engine_cache import EngineCache
 from sparsex.bench.peer import run_peer
 from sparsex.bench.plots import plot_pareto, plot_ttft_cdf
@@ -198,9 +199,8 @@ def add_workload_bench_parser(subparsers: argparse._SubParsersAction) -> argpars
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--device", default="cpu", help="cpu | cuda: where the engines run (rag/chat/agent replays)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: torch's, one per core; on a busy shared CPU, 1 is "
-                        "often much faster)")
+    add_threads_arg(p, help="torch intra-op threads (default: torch's, one per core; on a busy shared CPU, 1 "
+                            "is often much faster)")
     p.add_argument("--out", default="workload_bench_out", help="directory for JSON/CSV/markdown")
     p.add_argument("--plot-dir", default=None,
                    help="directory for PNG plots; none without it (matplotlib: pip install sparsex[bench])")
@@ -292,13 +292,9 @@ def config_from_args(args: argparse.Namespace) -> WorkloadBenchConfig | StreamCo
 def run_workload_bench_cli(args: argparse.Namespace) -> int:
     if args.peer is not None and args.peer != "vllm":
         raise ValueError(f"--peer: only 'vllm' is known, got {args.peer!r}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     cfg = config_from_args(args)
     cfg.verify()                     # before torch's threads are set or anything loads
-    if args.threads is not None:
-        import torch
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     if isinstance(cfg, StreamConfig):
         print(stream_markdown(run_stream(cfg), cfg))
         return 0
