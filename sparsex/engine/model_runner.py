@@ -26,6 +26,7 @@ from sparsex.segment.step_blend import BlendResult, LayerPointerCache, StepBlend
 from sparsex.layers import cpu_kernels
 from sparsex.layers.attention_backend import TorchAttentionBackend
 from sparsex.layers.attention_metadata import AttentionMetadata
+from sparsex.models.moe import SparseMoeBlock
 from sparsex.layers.packed_linear import prepack_supported
 from sparsex.layers.sampler import Sampler, SamplerOutput, SamplingBatch, compute_topk_logprobs, token_logprobs
 from sparsex.models.decoder import DecoderForCausalLM
@@ -110,7 +111,6 @@ class ModelRunner:
         # decode steps replay CUDA graphs (captured at the first such step) unless this is set
         self.enforce_eager = os.environ.get("SPARSEX_ENFORCE_EAGER", "0") == "1"
         # an MoE block on its per-expert loop (fp32, or no grouped GEMM) reads counts on the host: no graphs
-        from sparsex.models.moe import SparseMoeBlock
         self.graphs_capturable = all(m.graph_capturable(self.device, self.dtype) for m in self.model.modules()
                                      if isinstance(m, SparseMoeBlock))
         self.decode_graphs: DecodeGraphs | None = None

@@ -18,7 +18,8 @@ FETCH_MODES = ("auto", "always", "never")
 _EWMA_ALPHA = 0.2
 
 
-def _ewma(old: float | None, sample: float) -> float:
+def ewma(old: float | None, sample: float) -> float:
+    """Exponentially weighted moving average (None: no sample yet); the tiers' estimates use it too."""
     return sample if old is None else (1 - _EWMA_ALPHA) * old + _EWMA_ALPHA * sample
 
 
@@ -51,14 +52,14 @@ class FetchPolicy:
         if tokens <= 0 or seconds <= 0:
             return
         with self._lock:
-            self._tokens, self._seconds = _ewma(self._tokens, tokens), _ewma(self._seconds, seconds)
+            self._tokens, self._seconds = ewma(self._tokens, tokens), ewma(self._seconds, seconds)
 
     def observe_load(self, nbytes: int, seconds: float) -> None:
         """Feed one fetched record's bytes and the seconds its decode (checksum) + install took."""
         if nbytes <= 0 or seconds <= 0:
             return
         with self._lock:
-            self._load_bytes, self._load_seconds = _ewma(self._load_bytes, nbytes), _ewma(self._load_seconds, seconds)
+            self._load_bytes, self._load_seconds = ewma(self._load_bytes, nbytes), ewma(self._load_seconds, seconds)
 
     def load_bytes_per_s(self) -> float | None:
         with self._lock:

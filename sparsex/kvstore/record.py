@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -49,9 +49,6 @@ class SegmentRecord:
     num_encodings: int                 # the KV is the mean of this many encodings
     explicit: bool                     # an explicit segment (prompt piece, ingested passage) or a found stretch
     kv: torch.Tensor                   # [num_layers, 2, n, num_kv_heads, head_dim], CPU, the model's KV dtype
-    # decode seconds of a record fetched from a remote tier, until install() adds its own and feeds the
-    # fetch policy; not part of the stored format
-    load_seconds: float | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

@@ -26,10 +26,12 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from sparsex.kvstore.fetch_policy import ewma
+
 log = logging.getLogger(__name__)
 
 _SCHEMES = ("redis", "rediss")
-_EWMA_ALPHA = 0.2
+
 # A read that moved less than this is a latency sample (a round trip with next to no payload).
 _SMALL_READ_BYTES = 16 << 10
 # A merge's queued size (its value is made in the writer thread) and a DEL's, beyond the key.
@@ -93,10 +95,6 @@ def parse_url(url: str) -> dict:
         raise ValueError(f"bad Redis url {shown}: options {bad} are not taken (rediss:// takes ssl_* options)")
     return {"scheme": parts.scheme, "host": parts.hostname, "port": port or 6379, "db": int(db),
             "username": parts.username or None, "password": parts.password}
-
-
-def _ewma(old: float | None, sample: float) -> float:
-    return sample if old is None else (1 - _EWMA_ALPHA) * old + _EWMA_ALPHA * sample
 
 
 class RedisTier:
@@ -206,12 +204,12 @@ class RedisTier:
             if nbytes < _SMALL_READ_BYTES or self._latency is None:
                 # The first read seeds the latency even when large (an overestimate the next small
                 # read corrects; a store's first reads are mostly misses anyway).
-                self._latency = _ewma(self._latency, seconds if nbytes < _SMALL_READ_BYTES
+                self._latency = ewma(self._latency, seconds if nbytes < _SMALL_READ_BYTES
                                       else seconds / 2)
             if nbytes > 0:
                 transfer = max(seconds - self._latency, seconds / 2)
-                self._bw_bytes = _ewma(self._bw_bytes, float(nbytes))
-                self._bw_seconds = _ewma(self._bw_seconds, transfer)
+                self._bw_bytes = ewma(self._bw_bytes, float(nbytes))
+                self._bw_seconds = ewma(self._bw_seconds, transfer)
 
     def bandwidth(self) -> float | None:
         """Bytes/s of reads that returned data (size-weighted EWMA, latency excluded); None before any."""

@@ -196,22 +196,38 @@ class SegmentStore:
             self.remote.close()
 
     # ---- tiers -> device -----------------------------------------------------------------------
-    def fetch(self, spans: list[tuple[list[int], str | None]]) -> list[SegmentRecord | None]:
-        """Records of the segments `spans` (token ids, salt) that a tier holds: the host tier first,
-        then one remote round trip for the rest that the fetch policy finds cheaper to fetch than to
-        recompute. Token ids are verified; a corrupt record is dropped (and counted)."""
-        out: list[SegmentRecord | None] = [None] * len(spans)
+    def load(self, spans: list[tuple[list[int], str | None]]) -> int:
+        """Install as entries the segments `spans` (token ids, salt) that a tier holds (`fetch`);
+        returns how many. A remote record's decode + install time feeds the fetch policy."""
+        installed = 0
+        for record, decode_s in self.fetch(spans):
+            if record is None:
+                continue
+            t0 = time.perf_counter()
+            if self.install(record) is None:
+                continue
+            installed += 1
+            if decode_s is not None:
+                self.policy.observe_load(record.nbytes, decode_s + time.perf_counter() - t0)
+        return installed
+
+    def fetch(self, spans: list[tuple[list[int], str | None]]) -> list[tuple[SegmentRecord | None, float | None]]:
+        """(record, decode seconds) of the segments `spans` (token ids, salt) that a tier holds: the
+        host tier first (no decode: None), then one remote round trip for the rest that the fetch
+        policy finds cheaper to fetch than to recompute. Token ids are verified; a corrupt record is
+        dropped (and counted)."""
+        out: list[tuple[SegmentRecord | None, float | None]] = [(None, None)] * len(spans)
         keys = [self.key(toks, salt) for toks, salt in spans]
         if self.host is not None:
             for i, ((toks, _), key) in enumerate(zip(spans, keys)):
                 record = self.host.get(key)
                 if record is not None and np.array_equal(record.token_ids, np.asarray(toks, dtype=np.int32)):
-                    out[i] = self.host.pop(key)
+                    out[i] = (self.host.pop(key), None)
         if self.remote is None:
             return out
         wanted = []
         for i, (toks, _) in enumerate(spans):
-            if out[i] is not None:
+            if out[i][0] is not None:
                 continue
             decision = self.policy.decide(len(toks), len(toks) * self.bytes_per_token,
                                           self.remote.bandwidth(), self.remote.latency())
@@ -232,16 +248,13 @@ class SegmentStore:
                 self.remote.count_corrupt(keys[i])            # counted, and deleted from the store
                 continue
             if np.array_equal(record.token_ids, np.asarray(spans[i][0], dtype=np.int32)):
-                out[i] = record
-                # decode time now; install() adds its own when the planner installs the record
-                record.load_seconds = time.perf_counter() - t_decode
+                out[i] = (record, time.perf_counter() - t_decode)
         self.fetch_seconds += time.perf_counter() - t0
         return out
 
     def install(self, record: SegmentRecord) -> SegmentEntry | None:
         """Make `record` a segment entry: blocks from the pool's free queue (None, nothing changed,
         when it is short: a fetch never evicts what the device holds), K/V of every layer written."""
-        t0 = time.perf_counter()
         bs = self.index.block_size
         first, last = record.start_pos // bs, (record.start_pos + record.num_tokens - 1) // bs
         pool = self.index.pool
@@ -260,9 +273,6 @@ class SegmentStore:
             return None
         entry.num_encodings = record.num_encodings
         self.installed_tokens += record.num_tokens
-        if record.load_seconds is not None:               # a remote fetch: feed its decode + install time
-            self.policy.observe_load(record.nbytes, record.load_seconds + time.perf_counter() - t0)
-            record.load_seconds = None
         return entry
 
     # ---- accounting ----------------------------------------------------------------------------

@@ -170,9 +170,7 @@ class ReusePlanner:
                    and self.index.lookup(toks[s.start:s.end], req.cache_salt, count=False) is None]
         if not missing:
             return
-        for record in self.store.fetch([(m, req.cache_salt) for m in missing]):
-            if record is not None:
-                self.store.install(record)
+        self.store.load([(m, req.cache_salt) for m in missing])
 
     def admitted(self, req: Request) -> None:
         """The scheduler admitted the request with its plan: count the lookups once, and say why
