@@ -119,6 +119,17 @@ def _patch_dummy_tokenizer() -> None:
     loader._dummy_tokenizer = tokenizer
 
 
+def _blend_pool_gib(llm: LLM) -> tuple[float, float]:
+    """KV pools of the blend section's prefix and sparsex engines: at least 6 and 10 GiB on CUDA, more
+    where one longest request (MAX_LEN tokens) of this model's KV would not fit with room to spare."""
+    if DEV.type != "cuda":
+        return 0.2, 0.2
+    cfg = llm.llm_engine.runner.model_config
+    bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2     # K,V bf16
+    request_gib = MAX_LEN * bytes_per_token / GIB
+    return max(6.0, 1.25 * request_gib), max(10.0, 2.25 * request_gib)
+
+
 GC_FREEZE = False           # --gc-freeze: objects alive once an engine is built leave the cyclic GC's reach
 
 
@@ -207,8 +218,13 @@ def matmul_params(cfg) -> int:
 
 
 def prefill_flops(cfg, n: int) -> float:
-    """Matmuls of every row + causal attention (visible pairs only) + the last row's lm_head."""
-    attn = 2 * cfg.head_dim * cfg.num_attention_heads * n * (n + 1) * cfg.num_hidden_layers
+    """Matmuls of every row + causal attention (visible pairs only: a sliding layer's query sees at
+    most its window) + the last row's lm_head."""
+    pairs = 0
+    for layer in range(cfg.num_hidden_layers):
+        w = cfg.layer_window(layer)
+        pairs += n * (n + 1) // 2 if w is None or w >= n else w * (w + 1) // 2 + (n - w) * w
+    attn = 4 * cfg.head_dim * cfg.num_attention_heads * pairs
     return 2.0 * n * matmul_params(cfg) + attn + 2.0 * cfg.hidden_size * cfg.vocab_size
 
 
@@ -1034,17 +1050,18 @@ def main() -> None:
                 section_decode_profile(llm_none, ceil)
             del hf
             torch.cuda.empty_cache()
+            # the prefix engine holds one longest request; the sparsex engine that plus every passage's
+            # segment entry (Gemma-3-12B's 393 KB of KV per token needs ~13 GiB per 33k-token request)
+            prefix_gib, sx_gib = _blend_pool_gib(llm_none)
             if "blend" in sections:
-                llm_prefix = make_llm("prefix", 6 if DEV.type == "cuda" else 0.2, share_from=llm_none)
-                llm_sx = make_llm("sparsex", 10 if DEV.type == "cuda" else 0.2, share_from=llm_none)
+                llm_prefix = make_llm("prefix", prefix_gib, share_from=llm_none)
+                llm_sx = make_llm("sparsex", sx_gib, share_from=llm_none)
                 section_blend(llm_none, llm_prefix, llm_sx, [("default", None)] + _parse_variants(args.variants))
             if "spans" in sections:
-                llm_sx = llm_sx if "blend" in sections else make_llm("sparsex", 10 if DEV.type == "cuda" else 0.2,
-                                                                      share_from=llm_none)
+                llm_sx = llm_sx if "blend" in sections else make_llm("sparsex", sx_gib, share_from=llm_none)
                 section_spans(llm_none, llm_sx)
             if "blendprof" in sections or "syncs" in sections:
-                llm_sx = llm_sx if ("blend" in sections or "spans" in sections) else make_llm("sparsex", 10 if DEV.type == "cuda" else 0.05,
-                                                                      share_from=llm_none)
+                llm_sx = llm_sx if ("blend" in sections or "spans" in sections) else make_llm("sparsex", sx_gib, share_from=llm_none)
                 if "blendprof" in sections:
                     section_blend_profile(llm_sx)
                 if "syncs" in sections:

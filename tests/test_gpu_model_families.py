@@ -6,8 +6,9 @@ word-level tokenizer built here (`tokenizers`) and prompts of seeded random toke
 
 Per family, the tiny random-weight model of tests/test_model_families.py: fp32 greedy tokens equal
 transformers' (CPU, fp32) and CUDA-graph decode gives the eager tokens; `selector="all"` equals plain
-prefill on the GPU; bf16 agrees with fp32 on most teacher-forced top-1 tokens. fp32 attention runs
-its dots in tf32 on the tensor cores (triton_attention._DOT_PRECISION), hence the logprob tolerance.
+prefill on the GPU; bf16 agrees with fp32 on most teacher-forced top-1 tokens. Under torch's default
+fp32 matmul precision the attention kernels' dots run in full fp32 (triton_attention._dot_precision):
+with tf32 dots, Phi-3's greedy tokens and Qwen3-MoE's routes (near-ties of 1e-5) leave transformers'.
 """
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def test_fp32_greedy_matches_transformers_with_and_without_cuda_graphs(family, p
         got = o.outputs[0]
         assert got.token_ids == ref_ids, f"{name}: prompt of {len(p)} tokens diverges on CUDA"
         ours = [lp[t] for lp, t in zip(got.logprobs, got.token_ids)]
-        assert max(abs(a - b) for a, b in zip(ours, ref_lps)) < 5e-2, name     # tf32 dots on logits of ~100
+        assert max(abs(a - b) for a, b in zip(ours, ref_lps)) < 2e-3, name
     # a second pass hits the prefix cache and gives the same tokens
     again = _generate(graphs, prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]

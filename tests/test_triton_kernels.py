@@ -16,8 +16,18 @@ from sparsex.layers.attention_backend import TorchAttentionBackend
 from sparsex.layers.attention_metadata import AttentionMetadata
 from sparsex.layers.triton_rerotate import copy_and_rerotate_torch
 
-# relative-norm tolerances: fp32 runs through tf32 tensor cores; bf16 operands land near 4e-3
+# relative-norm tolerances: fp32 runs through tf32 tensor cores (tf32_dots below); bf16 operands land near 4e-3
 TOL = {torch.float32: 2e-3, torch.bfloat16: 1.5e-2, torch.float16: 5e-3}
+
+
+@pytest.fixture(autouse=True)
+def tf32_dots():
+    """The kernels' logic is under test, not fp32 rounding: their fp32 dots run as tf32 here (about 7x
+    faster to compile and run than full fp32, which tests/test_gpu_model_families.py covers end to end)."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    yield
+    torch.set_float32_matmul_precision(before)
 # (num_heads, num_kv_heads): GQA ratios 1, 3, 4, 8
 GQA = [(4, 4), (6, 2), (8, 2), (16, 2)]
 
@@ -755,3 +765,15 @@ def test_plain_prefill_sdpa_dispatch_matches_paged_kernel(cuda, heads):
     # a prefix longer than the rows, or sparse rows, stays on the paged kernel
     _, _, _, md = make_batch([(300, tail_rows(300, 100))], num_heads, num_kv_heads, 64, 16, torch.bfloat16, cuda, True)
     assert ta._short_prefix_lens(md) is None
+
+def test_fp32_dot_precision_follows_torch_matmul_precision():
+    pytest.importorskip("triton")
+    from sparsex.layers.triton_attention import _dot_precision
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert _dot_precision() == "ieee"
+        torch.set_float32_matmul_precision("high")
+        assert _dot_precision() == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(before)

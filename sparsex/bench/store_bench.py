@@ -193,7 +193,9 @@ def run_store_bench(cfg: StoreBenchConfig) -> dict:
                                                               "--client-query-buffer-limit", "4gb"))
     server.start()
     try:
-        tier = RedisTier(server.url())
+        # the writer queue must hold the largest value (an 8k-token Llama-3-8B-shaped record is ~1 GB, past
+        # the engine's 256 MiB default) and a socket read must outlast its transfer
+        tier = RedisTier(server.url(), timeout_s=60.0, max_pending_bytes=2 * bpt * top + (64 << 20))
         for _ in range(_SMALL_READS):                   # round-trip latency samples (misses)
             tier.get_many(["sparsex:bench:absent"])
         admin = server.client()

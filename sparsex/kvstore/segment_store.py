@@ -119,7 +119,11 @@ class SegmentStore:
         if self.host is None:
             return
         kv = self._gather(entry.blocks, entry.start_pos, len(entry), entry.start_pos // self.index.block_size)
-        self.host.put(self.key(entry.tokens, entry.cache_salt), self._record(entry, kv.cpu()))
+        # one device -> host copy, straight into pinned memory where the tier pins (a pageable .cpu()
+        # and then pin_memory() is two copies, the first at pageable speed)
+        host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=self.host.pin)
+        host.copy_(kv)
+        self.host.put(self.key(entry.tokens, entry.cache_salt), self._record(entry, host))
 
     def publish(self, entry: SegmentEntry) -> None:
         """A new explicit entry: write it to the shared store unless a record is there already. The

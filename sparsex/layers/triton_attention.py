@@ -386,8 +386,12 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# fp32 inputs go through the tensor cores as tf32 (rel. error ~3e-4); bf16/fp16 ignore this
-_DOT_PRECISION = "tf32"
+def _dot_precision() -> str:
+    """How fp32 attention dots run (bf16/fp16 ignore it): as torch runs fp32 matmuls. Under torch's
+    default (`torch.get_float32_matmul_precision() == "highest"`) in full fp32, so an fp32 engine gives
+    transformers' logprobs and greedy tokens on the GPU; "high"/"medium" allow tf32 tensor-core dots
+    (rel. error ~3e-4, enough to flip a near-tie MoE route or a greedy token on large logits)."""
+    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 def _prefill_config(head_dim: int, dtype: torch.dtype, group: int, gathered: bool = False) -> dict:
@@ -560,7 +564,7 @@ def prefill_attention(
         md.block_tables.stride(0),
         k_desc, v_desc, rows_per_seq,
         G=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], PREC=_DOT_PRECISION, KV_MODE=kv_mode, **variant,
+        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], PREC=_dot_precision(), KV_MODE=kv_mode, **variant,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
@@ -630,7 +634,7 @@ def decode_attention(
         md.block_tables.stride(0), num_heads, num_splits,
         G=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, SPLIT=num_splits > 1,
-        PREC=_DOT_PRECISION, **variant, num_warps=num_warps, num_stages=num_stages,
+        PREC=_dot_precision(), **variant, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
