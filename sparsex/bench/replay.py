@@ -185,8 +185,9 @@ def replay_policy(cfg: WorkloadBenchConfig, policy: Policy, timed: LLMEngine,
         # twin run: the same request teacher forced (fidelity subset) or plain (to keep in step)
         if twin is not None:
             if fid[i]:
+                # as served: the policy's approx_prefix (a twin replaying in order may continue its chain)
                 res = teacher_forced(twin, _teacher_forcing_prompt(prompt), refs[i].cont, refs[i].lps,
-                                     reuse=reuse, approx_prefix=True)
+                                     reuse=reuse, approx_prefix=knobs is not None and knobs.approx_prefix)
                 rec.top1, rec.kl, rec.match_len = res.top1, res.kl, res.match_len
                 rec.miss_margins = list(res.miss_margins)
                 rec.position_kl, rec.miss_positions = list(res.position_kl), list(res.miss_positions)
