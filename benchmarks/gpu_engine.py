@@ -124,9 +124,8 @@ def _blend_pool_gib(llm: LLM) -> tuple[float, float]:
     where one longest request (MAX_LEN tokens) of this model's KV would not fit with room to spare."""
     if DEV.type != "cuda":
         return 0.2, 0.2
-    cfg = llm.llm_engine.runner.model_config
-    bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2     # K,V bf16
-    request_gib = MAX_LEN * bytes_per_token / GIB
+    runner = llm.llm_engine.runner
+    request_gib = MAX_LEN * runner.bytes_per_block() / runner.block_size / GIB
     return max(6.0, 1.25 * request_gib), max(10.0, 2.25 * request_gib)
 
 

@@ -75,10 +75,8 @@ class SegmentStore:
         self.policy = FetchPolicy(fetch)
         self.fetch_seconds = 0.0
         self.installed_tokens = 0
-        cfg = runner.model_config
         # bytes of one token's KV over every layer: what a record of n tokens carries
-        self.bytes_per_token = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
-                                * torch.empty((), dtype=runner.dtype).element_size())
+        self.bytes_per_token = runner.bytes_per_block() // runner.block_size
         self._jobs: queue.Queue | None = None
         self._worker: threading.Thread | None = None
         if self.remote is not None:

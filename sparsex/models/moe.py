@@ -158,16 +158,13 @@ class SparseMoeBlock(nn.Module):
         return gate * up
 
     def _use_grouped_mm(self, x: torch.Tensor) -> bool:
-        return (x.is_cuda and x.dtype == torch.bfloat16 and _grouped_mm is not None
-                and self.hidden % 8 == 0 and self.inter % 8 == 0      # 16-byte aligned strides
-                and _cuda_grouped_mm_capable(x.device.index if x.device.index is not None
-                                             else torch.cuda.current_device()))
+        return self.graph_capturable(x.device, x.dtype)
 
     def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether a CUDA graph can hold this block: only the grouped-GEMM path keeps the expert
-        offsets on the device (the per-expert loop reads the counts on the host)."""
+        """Whether this block runs the grouped-GEMM path on `device`/`dtype`, the only one a CUDA graph
+        can hold: it keeps the expert offsets on the device (the per-expert loop reads counts on the host)."""
         return (device.type == "cuda" and dtype == torch.bfloat16 and _grouped_mm is not None
-                and self.hidden % 8 == 0 and self.inter % 8 == 0
+                and self.hidden % 8 == 0 and self.inter % 8 == 0      # 16-byte aligned strides
                 and _cuda_grouped_mm_capable(device.index if device.index is not None else torch.cuda.current_device()))
 
     def _experts_loop(self, x: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
