@@ -215,6 +215,22 @@ def test_rag_one_message_forms_serve_recurring_passages(tmp_path, engines, form)
 
 
 @needs_smollm2
+def test_twin_plans_a_repeated_question_as_the_timed_request_does(tmp_path, engines) -> None:
+    # 2 passages, 3 queries: the third asks the first one's question again. The plain request reuses
+    # that recurring question segment up to its last token; the teacher-forced twin (prompt +
+    # continuation, the horizon at the prompt's end) must plan the same spans, not find the question
+    # another way
+    _, records, _ = _run(tmp_path, engines, "rag", "none,prefix,sparsex", queries=3, k=2, num_passages=2,
+                         passage_tokens=(150, 250))
+    _check_policy_counters(records)
+    sx = [r for r in records if r["policy"] == "sparsex"]
+    repeated = [r for r in sx if r["reused_by_source"].get("indexed", 0) > 0]
+    assert repeated, [r["reused_by_source"] for r in sx]
+    assert all(r["twin_match"] is True and r["twin_counts"] == [r["cached_tokens"], r["reused_tokens"],
+                                                                  r["recomputed_tokens"]] for r in sx)
+
+
+@needs_smollm2
 def test_reference_continuation_stops_at_eos(engines) -> None:
     """The fidelity reference is what a served request would produce: greedy tokens through the first
     EOS (scored: stopping is a decision), at most fidelity_tokens. Past EOS the model writes template

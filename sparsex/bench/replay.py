@@ -2,7 +2,6 @@
 policy on a timed engine and its fidelity twin; one `RequestRecord` per request."""
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -186,7 +185,7 @@ def replay_policy(cfg: WorkloadBenchConfig, policy: Policy, timed: LLMEngine,
         if twin is not None:
             if fid[i]:
                 # as served: the policy's approx_prefix (a twin replaying in order may continue its chain)
-                res = teacher_forced(twin, _teacher_forcing_prompt(prompt), refs[i].cont, refs[i].lps,
+                res = teacher_forced(twin, prompt, refs[i].cont, refs[i].lps,
                                      reuse=reuse, approx_prefix=knobs is not None and knobs.approx_prefix)
                 rec.top1, rec.kl, rec.match_len = res.top1, res.kl, res.match_len
                 rec.miss_margins = list(res.miss_margins)
@@ -203,15 +202,3 @@ def replay_policy(cfg: WorkloadBenchConfig, policy: Policy, timed: LLMEngine,
         twin.check_integrity()
     return records
 
-
-def _teacher_forcing_prompt(prompt: TokenizedPrompt) -> TokenizedPrompt:
-    """The prompt without the segment that holds its last token.
-
-    The plain request can never reuse that segment (its last token's logits start decoding), but
-    once the continuation is appended it is no longer last and a recurring one (a repeated RAG
-    question) would be reused, and its last row, the first teacher-forced prediction, not even
-    computed. Dropping it keeps the twin's plan identical to the timed request's. (The twin then does
-    not index it either; in these workloads the piece holding the last token is always last, so no
-    later plain request could have reused it.)"""
-    n = len(prompt.token_ids)
-    return dataclasses.replace(prompt, segments=[s for s in prompt.segments if s.end < n])
