@@ -121,14 +121,17 @@ def _patch_dummy_tokenizer() -> None:
 
 def _blend_pool_gib(llm: LLM) -> tuple[float, float]:
     """KV pools of the blend section's prefix and sparsex engines: at least 6 and 10 GiB on CUDA, more
-    where one longest request (MAX_LEN tokens) of this model's KV would not fit with room to spare."""
+    where one longest blend prompt (the most passages, plus head and question; at most MAX_LEN tokens)
+    of this model's KV would not fit with room to spare."""
     if DEV.type != "cuda":
         return 0.2, 0.2
     runner = llm.llm_engine.runner
-    request_gib = MAX_LEN * runner.bytes_per_block() / runner.block_size / GIB
+    longest = min(MAX_LEN, BLEND_HEAD + SIZES["passage_len"] * max(SIZES["passages"]) + BLEND_QUESTION + 64)
+    request_gib = longest * runner.bytes_per_block() / runner.block_size / GIB
     return max(6.0, 1.25 * request_gib), max(10.0, 2.25 * request_gib)
 
 
+BLEND_HEAD, BLEND_QUESTION = 40, 48   # blend section: tokens of a prompt's head and of its question
 GC_FREEZE = False           # --gc-freeze: objects alive once an engine is built leave the cyclic GC's reach
 
 
@@ -612,8 +615,10 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM,
     runner = llm_sx.llm_engine.runner
     cfg = runner.model_config
     timer = BlendTimer(runner)
-    sys_ids, rows, out = rand_ids(40), [], []
+    sys_ids, rows, out = rand_ids(BLEND_HEAD), [], []
     warm = {"sys": 0}
+    # --no-prefix-engine: a card too small for three engines' pools runs none and sparsex only
+    engines = [("none", llm_none)] + ([("prefix", llm_prefix)] if llm_prefix is not None else []) + [("sparsex", llm_sx)]
     plen = SIZES["passage_len"]
     for k in SIZES["passages"]:
         passages = [rand_ids(plen) for _ in range(k)]
@@ -627,6 +632,8 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM,
         # head (the engine would not reuse such an early encoding later in a prompt: min_context_tokens)
         prime = {"segments": [sys_ids, rand_ids(plen)] + passages + [rand_ids(48)]}
         for llm in (llm_prefix, llm_sx):
+            if llm is None:
+                continue
             llm.reset_cache()
             _ttft(llm, prime, f"prime{k}-{id(llm)}")
         if not warm["sys"]:
@@ -641,9 +648,10 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM,
             t = {"none": [], "prefix": [], "sparsex": []}
             splits, host = [], []
             for r in (1, 2, 3):
-                q = rand_ids(48)
+                q = rand_ids(BLEND_QUESTION)
                 t["none"].append(_ttft(llm_none, prompt(v0 + r, q), f"n{k}-{r}-{label}")[0])
-                t["prefix"].append(_ttft(llm_prefix, prompt(v0 + r, q), f"p{k}-{r}-{label}")[0])
+                if llm_prefix is not None:
+                    t["prefix"].append(_ttft(llm_prefix, prompt(v0 + r, q), f"p{k}-{r}-{label}")[0])
                 c0, s0 = runner.timings.blend_copy_s, runner.timings.selection_s
                 m0 = _alloc_counts()
                 ts, o = _timed(timer, llm_sx, prompt(v0 + r, q), f"s{k}-{r}-{label}", splits, reuse=rv)
@@ -656,7 +664,7 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM,
             # the same requests again, each engine's three back to back (after one untimed request):
             # what a GPU serving one engine sees, without another engine's run in between
             grouped = {"sparsex_gpu_split_ms": []}
-            for name, llm in (("none", llm_none), ("prefix", llm_prefix), ("sparsex", llm_sx)):
+            for name, llm in engines:
                 kw = {"reuse": rv} if name == "sparsex" else {}
                 _ttft(llm, prompt(v0 + 4, rand_ids(48)), f"g{name}{k}-warm-{label}", **kw)
                 m0 = _alloc_counts()
@@ -670,15 +678,15 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM,
             # first): what a request costs without the power and clock state the previous one left
             idle_t, idle_splits = {"none": [], "prefix": [], "sparsex": []}, []
             for r in (8, 9, 10):
-                q = rand_ids(48)
-                for name, llm in (("none", llm_none), ("prefix", llm_prefix), ("sparsex", llm_sx)):
+                q = rand_ids(BLEND_QUESTION)
+                for name, llm in engines:
                     gs = idle_splits if name == "sparsex" else None
                     kw = {"reuse": rv} if name == "sparsex" else {}
                     idle_t[name].append(1e3 * _timed(timer, llm, prompt(v0 + r, q), f"i{name}{k}-{r}-{label}", gs,
                                                      IDLE_S, **kw)[0])
-            idle = {key: statistics.median(v) for key, v in idle_t.items()} | {"sparsex_gpu_split_ms": idle_splits}
-            med = {p: 1e3 * statistics.median(v) for p, v in t.items()}
-            n_tok = len(sys_ids) + plen * k + 48
+            idle = {key: statistics.median(v) for key, v in idle_t.items() if v} | {"sparsex_gpu_split_ms": idle_splits}
+            med = {p: 1e3 * statistics.median(v) for p, v in t.items() if v}
+            n_tok = len(sys_ids) + plen * k + BLEND_QUESTION
             split = {key: statistics.median([s[key] for s in splits if s[key] == s[key]] or [float("nan")])
                      for key in splits[0]}
             h = host[-1]
@@ -686,8 +694,9 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM,
             floor = FlopModel.from_config(cfg).token_layers(
                 rows_, rows_ - h["reused"] + h["recomputed"], reuse.full_layers,
                 rows_ - h["reused"] + h["candidates"], reuse.rescore_layers) / (cfg.num_hidden_layers * n_tok)
-            rows.append([f"{k} x {plen} = {n_tok:,}", label, f"{med['none']:.1f}", f"{med['prefix']:.1f}",
-                         f"{med['sparsex']:.1f}", f"{med['sparsex'] / med['none']:.3f}",
+            prefix_ms = f"{med['prefix']:.1f}" if "prefix" in med else "–"
+            rows.append([f"{k} x {plen} = {n_tok:,}", label, f"{med['none']:.1f}", prefix_ms, f"{med['sparsex']:.1f}",
+                         f"{med['sparsex'] / med['none']:.3f}",
                          f"{grouped['none']:.1f} / {grouped['sparsex']:.1f} / {grouped['sparsex'] / grouped['none']:.3f}",
                          f"{idle['none']:.1f} / {idle['sparsex']:.1f} / {idle['sparsex'] / idle['none']:.3f}",
                          f"{floor:.3f}",
@@ -1018,6 +1027,9 @@ def main() -> None:
     ap.add_argument("--variants", default="",
                     help="blend section: more sparsex knob sets, each replayed like the default, e.g. "
                          "'rescore_layers=2,candidate_ratio=0.5;recompute_ratio=0.2'")
+    ap.add_argument("--no-prefix-engine", action="store_true",
+                    help="blend section: run the none and sparsex engines only (no prefix-caching column), "
+                         "for a model whose three pools and weights pass the card's memory")
     ap.add_argument("--passages", default="",
                     help="blend section: passages per prompt, e.g. '16' or '16,64' (default: 8,16,32,64)")
     args = ap.parse_args()
@@ -1028,6 +1040,8 @@ def main() -> None:
     if args.dry_run:
         _dry_run_setup()
     OUT = args.out
+    if OUT:
+        os.makedirs(OUT, exist_ok=True)
     sections = args.sections.split(",")
     log(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     _patch_dummy_tokenizer()
@@ -1053,7 +1067,7 @@ def main() -> None:
             # segment entry (Gemma-3-12B's 393 KB of KV per token needs ~13 GiB per 33k-token request)
             prefix_gib, sx_gib = _blend_pool_gib(llm_none)
             if "blend" in sections:
-                llm_prefix = make_llm("prefix", prefix_gib, share_from=llm_none)
+                llm_prefix = None if args.no_prefix_engine else make_llm("prefix", prefix_gib, share_from=llm_none)
                 llm_sx = make_llm("sparsex", sx_gib, share_from=llm_none)
                 section_blend(llm_none, llm_prefix, llm_sx, [("default", None)] + _parse_variants(args.variants))
             if "spans" in sections:
