@@ -135,18 +135,45 @@ BLEND_HEAD, BLEND_QUESTION = 40, 48   # blend section: tokens of a prompt's head
 GC_FREEZE = False           # --gc-freeze: objects alive once an engine is built leave the cyclic GC's reach
 
 
+class _SharedWeights:
+    """Stands in for the meta-device model a `ModelRunner` builds: "materialising" it returns the model
+    another engine already holds (same shape, dtype, device), so a second engine never allocates a
+    second copy of the weights, not even for a moment (Gemma-3-12B's 22 GiB twice pass an 80 GB card)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def to_empty(self, device) -> torch.nn.Module:
+        return self.model
+
+
 def make_llm(cache: str, kv_gib: float, share_from: LLM | None = None) -> LLM:
-    llm = LLM(MODEL, device=DEV.type, dtype="bfloat16" if DEV.type == "cuda" else "float32", cache=cache, kv_cache_memory=int(kv_gib * GIB),
-              max_model_len=MAX_LEN, max_num_batched_tokens=MAX_LEN, max_num_seqs=64,
-              # no start-up warm-up: every section runs its own untimed requests first, and share_from
-              # swaps the model after construction, which would leave warm-up's decode graphs on the
-              # discarded copy (benchmarks/gpu_startup.py measures the warm-up)
+    from sparsex.engine import model_runner
+    kw = dict(device=DEV.type, dtype="bfloat16" if DEV.type == "cuda" else "float32", cache=cache,
+              kv_cache_memory=int(kv_gib * GIB), max_model_len=MAX_LEN, max_num_batched_tokens=MAX_LEN,
+              max_num_seqs=64,
+              # no start-up warm-up: every section runs its own untimed requests first
+              # (benchmarks/gpu_startup.py measures the warm-up)
               warmup=False)
-    if share_from is not None:
-        # same seed -> same random weights; keep one copy on the GPU
-        runner = llm.llm_engine.runner
-        runner.model = share_from.llm_engine.runner.model     # blends and merges read it at each step
-        torch.cuda.empty_cache()
+    if share_from is None:
+        llm = LLM(MODEL, **kw)
+    elif DEV.type != "cuda":
+        # --dry-run: a CPU model is prepacked when built (done once per model), so swap after building
+        llm = LLM(MODEL, **kw)
+        llm.llm_engine.runner.model = share_from.llm_engine.runner.model
+    else:
+        # one copy of the (same-seed, random) weights on the GPU: the new engine's runner takes the
+        # other engine's model instead of drawing its own
+        shared = share_from.llm_engine.runner.model
+        build, init = model_runner.DecoderForCausalLM, model_runner._init_random
+        model_runner.DecoderForCausalLM = lambda cfg, max_len: _SharedWeights(shared)
+        model_runner._init_random = lambda model, seed: None
+        try:
+            llm = LLM(MODEL, **kw)
+        finally:
+            model_runner.DecoderForCausalLM, model_runner._init_random = build, init
+        if llm.llm_engine.runner.model is not shared:
+            raise RuntimeError("the engine did not take the shared model")
     if GC_FREEZE:
         gc.collect()
         gc.freeze()
