@@ -658,9 +658,7 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM,
         # caches the passages; a filler first, so that no passage is computed right after the short
         # head (the engine would not reuse such an early encoding later in a prompt: min_context_tokens)
         prime = {"segments": [sys_ids, rand_ids(plen)] + passages + [rand_ids(48)]}
-        for llm in (llm_prefix, llm_sx):
-            if llm is None:
-                continue
+        for _, llm in engines[1:]:            # the caching engines
             llm.reset_cache()
             _ttft(llm, prime, f"prime{k}-{id(llm)}")
         if not warm["sys"]:
@@ -672,7 +670,7 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM,
             # one untimed blended request first: the first blend of a process compiles the blend's
             # kernels (seconds), which would otherwise be one of the interleaved replay's three samples
             _ttft(llm_sx, prompt(v0 + 11, rand_ids(48)), f"s{k}-warm-{label}", reuse=rv)
-            t = {"none": [], "prefix": [], "sparsex": []}
+            t = {name: [] for name, _ in engines}
             splits, host = [], []
             for r in (1, 2, 3):
                 q = rand_ids(BLEND_QUESTION)
@@ -703,7 +701,7 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM,
                 grouped[name + "_reused_recomputed"] = [(o.num_reused_tokens, o.num_recomputed_tokens) for _, o in runs]
             # and once more, interleaved, but every timed request starts from an idle GPU (IDLE_S asleep
             # first): what a request costs without the power and clock state the previous one left
-            idle_t, idle_splits = {"none": [], "prefix": [], "sparsex": []}, []
+            idle_t, idle_splits = {name: [] for name, _ in engines}, []
             for r in (8, 9, 10):
                 q = rand_ids(BLEND_QUESTION)
                 for name, llm in engines:
@@ -711,8 +709,8 @@ def section_blend(llm_none: LLM, llm_prefix: LLM, llm_sx: LLM,
                     kw = {"reuse": rv} if name == "sparsex" else {}
                     idle_t[name].append(1e3 * _timed(timer, llm, prompt(v0 + r, q), f"i{name}{k}-{r}-{label}", gs,
                                                      IDLE_S, **kw)[0])
-            idle = {key: statistics.median(v) for key, v in idle_t.items() if v} | {"sparsex_gpu_split_ms": idle_splits}
-            med = {p: 1e3 * statistics.median(v) for p, v in t.items() if v}
+            idle = {key: statistics.median(v) for key, v in idle_t.items()} | {"sparsex_gpu_split_ms": idle_splits}
+            med = {p: 1e3 * statistics.median(v) for p, v in t.items()}
             n_tok = len(sys_ids) + plen * k + BLEND_QUESTION
             split = {key: statistics.median([s[key] for s in splits if s[key] == s[key]] or [float("nan")])
                      for key in splits[0]}

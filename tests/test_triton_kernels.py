@@ -28,6 +28,8 @@ def tf32_dots():
     torch.set_float32_matmul_precision("high")
     yield
     torch.set_float32_matmul_precision(before)
+
+
 # (num_heads, num_kv_heads): GQA ratios 1, 3, 4, 8
 GQA = [(4, 4), (6, 2), (8, 2), (16, 2)]
 
@@ -765,6 +767,7 @@ def test_plain_prefill_sdpa_dispatch_matches_paged_kernel(cuda, heads):
     # a prefix longer than the rows, or sparse rows, stays on the paged kernel
     _, _, _, md = make_batch([(300, tail_rows(300, 100))], num_heads, num_kv_heads, 64, 16, torch.bfloat16, cuda, True)
     assert ta._short_prefix_lens(md) is None
+
 
 def test_fp32_dot_precision_follows_torch_matmul_precision():
     pytest.importorskip("triton")
