@@ -369,7 +369,7 @@ def _engine_decode(llm: LLM, batch: int, ctx_len: int, warm: int, steps: int) ->
         eng.step()
     res = {}
     for mode in ("graph", "eager"):
-        runner.enforce_eager = mode == "eager"
+        eng.config.enforce_eager = mode == "eager"
         for _ in range(warm):
             eng.step()
         torch.cuda.synchronize()
@@ -377,7 +377,7 @@ def _engine_decode(llm: LLM, batch: int, ctx_len: int, warm: int, steps: int) ->
         for _ in range(steps):
             eng.step()
         res[mode] = batch * steps / (time.perf_counter() - t0)
-    runner.enforce_eager = False
+    eng.config.enforce_eager = False
     eng.abort_request(rids)
     eng.check_integrity()
     return res
@@ -476,22 +476,25 @@ def section_decode_profile(llm: LLM, ceil: dict) -> None:
             eng.step()
         for _ in range(4):
             eng.step()
-        exec_s = []
-        execute = runner.execute
+        exec_s, launched_at = [], []
+        launch, collect = runner.launch, runner.collect
 
-        def timed(sched, **kw):
-            t0 = time.perf_counter()
-            r = execute(sched, **kw)
-            exec_s.append(time.perf_counter() - t0)
+        def timed_launch(sched):
+            launched_at.append(time.perf_counter())
+            return launch(sched)
+
+        def timed_collect(step):
+            r = collect(step)
+            exec_s.append(time.perf_counter() - launched_at.pop())    # launch entry to collect exit
             return r
-        runner.execute = timed
+        runner.launch, runner.collect = timed_launch, timed_collect
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         steps = 16
         for _ in range(steps):
             eng.step()
         step_ms = 1e3 * (time.perf_counter() - t0) / steps
-        del runner.execute
+        del runner.launch, runner.collect
         exec_ms = 1e3 * statistics.median(exec_s)
         graphs = runner.decode_graphs
         if graphs is not None:
@@ -519,7 +522,7 @@ def section_decode_profile(llm: LLM, ceil: dict) -> None:
                     "floor_ms": floor_ms, "split_ms": split})
         log(f"decode profile b{batch}: {out[-1]}")
     table(f"Graphed decode step, 2k context: where the time goes (random weights, {MODEL} shape, bf16)",
-          ["batch", "engine step ms (wall)", "runner.execute ms", "engine outside runner ms", "graph replay GPU ms",
+          ["batch", "engine step ms (wall)", "runner launch..collect ms", "engine outside runner ms", "graph replay GPU ms",
            "HBM floor ms", "replay kernels: gemm / attention / kv store / other ms"], rows)
     RESULTS["decode_profile"] = out
 
@@ -864,7 +867,7 @@ def section_blend_profile(llm_sx: LLM) -> None:
         return 1e3 * wall, 1e3 * (marks["  model.forward (host):enter"] - t0), \
             1e3 * (t0 + wall - marks["  sample (host, waits for the GPU):exit"])
     for obj, name, label in ((eng, "add_request", "add_request"), (eng.scheduler, "schedule", "schedule (plan)"),
-                             (runner, "execute", "runner.execute"), (StepBlend, "_copy_reused", "  blend copy plan"),
+                             (runner, "launch", "runner.launch"), (runner, "collect", "runner.collect"), (StepBlend, "_copy_reused", "  blend copy plan"),
                              (StepBlend, "_probe", "  probe (host)"), (StepBlend, "select", "  select (host)"),
                              (runner.model, "forward", "  model.forward (host)"),
                              (eng.registrar, "register", "register segments"),

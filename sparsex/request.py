@@ -1,4 +1,15 @@
-"""A request as the engine tracks it: tokens, progress (`num_computed_tokens`), blocks, outputs."""
+"""A request as the engine tracks it: tokens, progress (`num_computed_tokens`), blocks, outputs.
+
+Each field has one writer (docs/architecture.md has the table with the when):
+  LLMEngine.add_request   everything passed to the constructor
+  Scheduler               status, stop_reason, num_computed_tokens, num_cached_tokens, num_preemptions
+  LLMEngine (step)        output_token_ids, output_logprobs, output_text, detokenizer, prompt_logprobs,
+                          distributions, metrics
+  KVCacheManager          blocks, block_hashes, num_exact_cached_blocks, approx_block_hashes,
+                          num_approx_cached_blocks
+  ReusePlanner            reuse_record, prompt_token_array
+  SegmentRegistrar        segments_registered
+"""
 from __future__ import annotations
 
 import enum
@@ -9,8 +20,9 @@ import torch
 from sparsex.cache.block_hash import BlockHash
 from sparsex.config import ReuseConfig
 from sparsex.inputs import SegmentSpan
-from sparsex.outputs import RequestMetrics, ReusedSpan
+from sparsex.outputs import RequestMetrics
 from sparsex.sampling_params import SamplingParams
+from sparsex.segment.reuse_plan import ReuseRecord
 
 
 class RequestStatus(enum.Enum):
@@ -38,39 +50,32 @@ class Request:
     reuse: ReuseConfig | None = None          # per-request segment-reuse knobs (None: no reuse)
     eos_token_ids: tuple[int, ...] = ()
     max_tokens: int = 16
+    generator: torch.Generator | None = None  # SamplingParams.seed: this request's own draws
+    query_horizon: int | None = None          # TokenizedPrompt.query_horizon: tokens at/after it are a
+                                              # scored continuation, hidden from reuse planning and selection
 
     status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0                # exact prefix-cache hit of the (last) admission
+    num_preemptions: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     distributions: dict[int, torch.Tensor] | None = None     # SamplingParams.distributions_from
-    num_computed_tokens: int = 0
+    output_text: str = ""
+    detokenizer: object | None = None         # engine.detokenizer.IncrementalDetokenizer, made at the first token
+    metrics: RequestMetrics = None  # type: ignore[assignment]
+    # KV blocks (cache/kv_cache_manager.py)
     blocks: list = field(default_factory=list)          # the block table, as KVCacheBlock objects
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_exact_cached_blocks: int = 0          # blocks[:n] are registered on the exact chain
-    generator: torch.Generator | None = None
-    output_text: str = ""
-    detokenizer: object | None = None         # engine.detokenizer.IncrementalDetokenizer, made at the first token
-    stop_reason: int | str | None = None
-    num_preemptions: int = 0
-    # segment reuse
-    reuse_plan: object | None = None          # segment.reuse_planner.ReusePlan, locked until its forward ran
-    reuse_skipped: str | None = None          # why found segments were not (all) reused (set at admission)
-    exact_prefix_len: int | None = None       # KV at positions >= this is approximate (blended)
     approx_block_hashes: list[BlockHash] = field(default_factory=list)   # approximate chain from block exact_prefix_len // block_size
     num_approx_cached_blocks: int = 0         # of approx_block_hashes, how many are registered in the pool
-    segments_registered: bool = False
+    # segment reuse
+    reuse_record: ReuseRecord | None = None   # the latest admission's (segment/reuse_plan.py); None: no reuse
     prompt_token_array: object | None = None  # [num_prompt_tokens] int32 numpy copy, made by the planner's span search
-    query_horizon: int | None = None          # TokenizedPrompt.query_horizon: tokens at/after it are a
-                                              # scored continuation, hidden from reuse planning and selection
-    # cache statistics of the (last) prefill: num_cached_tokens set at admission, the reuse counters
-    # and spans from the step result of its first prefill step (RequestOutput's fields of those names)
-    num_cached_tokens: int = 0
-    num_reused_tokens: int = 0        # approximate-prefix tokens + segment-hit tokens
-    num_recomputed_tokens: int = 0
-    num_candidate_tokens: int = 0     # two-stage selection: reused tokens the first stage kept
-    reused_spans: list[ReusedSpan] = field(default_factory=list)
-    metrics: RequestMetrics = None  # type: ignore[assignment]
+    segments_registered: bool = False
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
@@ -78,6 +83,19 @@ class Request:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
         if self.params.distributions_from is not None:
             self.distributions = {}
+
+    @property
+    def exact_prefix_len(self) -> int | None:
+        """KV at positions >= this is approximate (blended, or continued along the approximate
+        chain); None: all of it is exact."""
+        return None if self.reuse_record is None else self.reuse_record.exact_prefix_len
+
+    @property
+    def prompt_end(self) -> int:
+        """Where the prompt proper ends for reuse: the query horizon, if any (a teacher-forced
+        evaluation plans, selects and indexes exactly what the plain request does)."""
+        n = len(self.prompt_token_ids)
+        return n if self.query_horizon is None else min(self.query_horizon, n)
 
     @property
     def approx_prefix_enabled(self) -> bool:

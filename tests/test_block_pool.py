@@ -36,7 +36,7 @@ def test_integrity_detects_refcount_mismatch():
 
 
 def test_prefix_hit_needs_same_tokens_salt_and_parent():
-    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    kv = KVCacheManager(BlockPool(16, enable_caching=True), 4)
     toks = list(range(100, 113))                          # 3 full blocks + 1 token
     r1 = _req("a", toks)
     assert kv.allocate_slots(r1, len(toks))
@@ -56,7 +56,7 @@ def test_prefix_hit_needs_same_tokens_salt_and_parent():
 
 
 def test_forced_hash_collision_never_reuses(monkeypatch):
-    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    kv = KVCacheManager(BlockPool(16, enable_caching=True), 4)
     monkeypatch.setattr(bh, "_digest", lambda *a: b"\x01" * 16)     # every block hashes alike
     r1 = _req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     assert kv.allocate_slots(r1, 9)
@@ -68,7 +68,7 @@ def test_forced_hash_collision_never_reuses(monkeypatch):
 
 
 def test_eviction_is_lru_and_only_of_unreferenced_blocks():
-    kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    kv = KVCacheManager(BlockPool(4, enable_caching=True), 2)
     a, b = _req("a", [1, 2, 3]), _req("b", [4, 5, 6])
     for r in (a, b):
         assert kv.allocate_slots(r, 3)
@@ -93,15 +93,6 @@ def test_block_hashes_are_domain_separated_from_segments():
 def test_allocation_recounts_hit_blocks_released_by_reclaim():
     """A prefix-hit block pinned only by a segment entry: reclaiming the entry moves it into the free
     queue, where it must count as ours, not as free room (it used to make get_new_blocks raise)."""
-    kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
-    a = _req("a", [1, 2, 3, 4, 5])
-    assert kv.allocate_slots(a, 5)
-    a.num_computed_tokens = 5
-    kv.cache_blocks(a, 4)                                  # blocks 0, 1 become prefix-cached
-    pinned = a.blocks[0]
-    kv.pool.touch([pinned])                                # a segment entry pins block 0
-    kv.free(a)
-    holder = kv.pool.get_new_blocks(1)                     # someone else holds a block: 2 free left
     released = []
 
     def reclaim(n: int) -> int:                            # the segment index's role
@@ -111,7 +102,15 @@ def test_allocation_recounts_hit_blocks_released_by_reclaim():
         kv.pool.free_blocks([pinned])
         return 1
 
-    kv.reclaim = reclaim
+    kv = KVCacheManager(BlockPool(4, enable_caching=True), 2, reclaim=reclaim)
+    a = _req("a", [1, 2, 3, 4, 5])
+    assert kv.allocate_slots(a, 5)
+    a.num_computed_tokens = 5
+    kv.cache_blocks(a, 4)                                  # blocks 0, 1 become prefix-cached
+    pinned = a.blocks[0]
+    kv.pool.touch([pinned])                                # a segment entry pins block 0
+    kv.free(a)
+    holder = kv.pool.get_new_blocks(1)                     # someone else holds a block: 2 free left
     b = _req("b", [1, 2, 3, 4, 9, 9, 9, 9])
     hits, _ = kv.get_computed_blocks(b)
     assert [h.block_id for h in hits] == [pinned.block_id, hits[1].block_id]
@@ -158,7 +157,7 @@ def test_approximate_chains_are_keyed_by_the_reuse_config():
 
 
 def test_prefix_lookup_hashes_only_what_it_needs():
-    kv = KVCacheManager(num_blocks=400, block_size=16, enable_prefix_caching=True)
+    kv = KVCacheManager(BlockPool(400, enable_caching=True), 16)
     a = _req("a", list(range(16 * 200)))
     assert kv.allocate_slots(a, a.num_tokens)
     a.num_computed_tokens = a.num_tokens
@@ -197,7 +196,7 @@ def test_segment_copy_on_write_needs_free_blocks_and_leaves_the_old_holders_alon
     holders (here a running request), and the entry's blocks are then its alone."""
     from sparsex.segment.segment_index import SegmentIndex
     pool = BlockPool(4, enable_caching=True)
-    index = SegmentIndex(pool, block_size=16)
+    index = SegmentIndex(pool, 16, "lru")
     held = pool.get_new_blocks(4)                          # a request holds every block
     entry = index.insert(list(range(20)), None, held, start_pos=8)   # positions 8..27: blocks 0, 1
     assert entry.blocks == held[:2] and not index.owns_blocks(entry)

@@ -321,7 +321,7 @@ def test_measured_estimates_feed_the_policy(tier):
         tier.get_many(["sparsex:shared:big"])
     bw, lat = tier.bandwidth(), tier.latency()
     assert bw is not None and bw > 1e6 and 0 < lat < 0.3
-    policy = FetchPolicy()
+    policy = FetchPolicy("auto")
     policy.observe_prefill(1000, 1.0)                        # a slow prefill: 1000 tok/s
     assert policy.decide(256, 1 << 20, bw, lat).fetch
 
@@ -337,7 +337,7 @@ def test_fetch_policy_modes():
 
 
 def test_fetch_policy_auto_fetches_until_measured_then_flips_on_low_bandwidth():
-    p = FetchPolicy()
+    p = FetchPolicy("auto")
     d = p.decide(256, 1 << 20, None, None)
     assert isinstance(d, FetchDecision) and d.fetch and "unmeasured" in d.reason
     assert p.decide(256, 1 << 20, 1e9, 0.001).fetch                  # no prefill throughput yet
@@ -357,7 +357,7 @@ def test_fetch_policy_auto_fetches_until_measured_then_flips_on_low_bandwidth():
 
 
 def test_fetch_policy_counts_decode_and_install_once_measured():
-    p = FetchPolicy()
+    p = FetchPolicy("auto")
     p.observe_prefill(2000, 1.0)                                      # 256 tokens: 128 ms to recompute
     assert p.load_bytes_per_s() is None
     assert p.decide(256, 1 << 20, bandwidth=1e9, latency=0.001).fetch  # transfer alone: ~2 ms

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from sparsex.cache.block_pool import BlockPool
 from sparsex.cache.kv_cache_manager import KVCacheManager
 from sparsex.request import Request
 from sparsex.sampling_params import SamplingParams
@@ -21,11 +22,10 @@ def toks(n: int) -> list[int]:
 
 
 def make(num_blocks: int = 256):
-    kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=True)
     spans = SpanIndex(BS)
-    kv.pool.on_evict = spans.on_evict
-    kv.on_exact_blocks = lambda req, first, blocks: spans.add_request_run(req.all_token_ids, req.cache_salt, first, blocks)
-    index = SegmentIndex(kv.pool, BS, spans=spans)
+    pool = BlockPool(num_blocks, enable_caching=True, on_evict=spans.on_evict)
+    index = SegmentIndex(pool, BS, "lru", spans=spans)
+    kv = KVCacheManager(pool, BS, on_exact_run=spans.add_request_run)
     return kv, spans, index
 
 

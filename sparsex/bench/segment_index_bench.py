@@ -33,7 +33,7 @@ def lookup_cost(num_entries: int = 100_000, seg_len: int = 400, block_size: int 
     rng = np.random.default_rng(0)
     pool = BlockPool(4096, enable_caching=False)
     blocks = pool.get_new_blocks(4096)                 # entries share blocks: refcounts allow it
-    index = SegmentIndex(pool, block_size)
+    index = SegmentIndex(pool, block_size, "lru")
     segs = [rng.integers(0, 49152, seg_len).tolist() for _ in range(2000)]
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]

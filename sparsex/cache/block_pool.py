@@ -38,7 +38,10 @@ class PoolUsage:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool):
+    def __init__(self, num_blocks: int, enable_caching: bool,
+                 on_evict: Callable[[KVCacheBlock], None] | None = None):
+        """`on_evict(block)`: told when a block's hash is dropped (its KV stops serving; the span
+        index forgets it)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -47,8 +50,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}   # hash value -> block
         self.num_evictions = 0
-        # told when a block's hash is dropped (its KV stops serving): the span index forgets it
-        self.on_evict: Callable[[KVCacheBlock], None] | None = None
+        self._on_evict = on_evict
 
     # ---- allocation -------------------------------------------------------------------------
     @property
@@ -75,8 +77,8 @@ class BlockPool:
                 del self.cached[block.block_hash.value]
             block.block_hash = None
             self.num_evictions += 1
-            if self.on_evict is not None:
-                self.on_evict(block)
+            if self._on_evict is not None:
+                self._on_evict(block)
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         """Take a reference (a cache hit or a new holder)."""

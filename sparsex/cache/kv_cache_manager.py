@@ -15,34 +15,89 @@ A request's block table is append-only and laid out by position (block i holds p
 """
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Protocol
 
-from sparsex.cache.block_hash import compute_block_hashes, iter_block_hashes
+from sparsex.cache.block_hash import BlockHash, compute_block_hashes, iter_block_hashes
 from sparsex.cache.block_pool import BlockPool, KVCacheBlock
-from sparsex.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class _ReuseKnobs(Protocol):
+    kv_key: bytes
+
+
+class KVRequest(Protocol):
+    """What the manager reads and writes of a request (`sparsex.request.Request`). The manager is
+    the one writer of the block fields."""
+    cache_salt: str | None
+    reuse: _ReuseKnobs | None
+    num_computed_tokens: int
+    blocks: list[KVCacheBlock]
+    block_hashes: list[BlockHash]
+    num_exact_cached_blocks: int
+    approx_block_hashes: list[BlockHash]
+    num_approx_cached_blocks: int
+
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def all_token_ids(self) -> list[int]: ...
+    @property
+    def prompt_end(self) -> int: ...
+    @property
+    def exact_prefix_len(self) -> int | None: ...
+    @property
+    def approx_prefix_enabled(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """A waiting request's cached prefix: `exact` blocks of the exact chain, then `approx` blocks
+    of the approximate chain continuing them (KV an earlier blended request left)."""
+    exact: list[KVCacheBlock]
+    approx: list[KVCacheBlock]
+    block_size: int
+
+    @property
+    def blocks(self) -> list[KVCacheBlock]:
+        return self.exact + self.approx
+
+    @property
+    def num_exact_tokens(self) -> int:
+        return len(self.exact) * self.block_size
+
+    @property
+    def num_approx_tokens(self) -> int:
+        return len(self.approx) * self.block_size
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_exact_tokens + self.num_approx_tokens
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+    def __init__(self, pool: BlockPool, block_size: int, *, reclaim: Callable[[int], int] | None = None,
+                 on_exact_run: Callable[[list[int], str | None, int, list[KVCacheBlock]], None] | None = None):
+        """`reclaim(n) -> released`: asked to release pinned blocks (segment entries) when the free
+        queue runs dry. `on_exact_run(token_ids, cache_salt, first block index, blocks)`: told of every
+        run of prompt blocks a request registers on the exact chain (the span index makes them
+        findable inside later prompts)."""
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
-        # asked to release pinned blocks (segment entries) when the free queue runs dry: (n) -> released
-        self.reclaim: Callable[[int], int] | None = None
-        # told of every run of blocks a request registers on the exact chain: (req, first block index,
-        # blocks); the span index makes them findable inside later prompts
-        self.on_exact_blocks: Callable[[Request, int, list[KVCacheBlock]], None] | None = None
-        # counters (tokens), kept by the scheduler on admission
+        self.pool = pool
+        self.enable_prefix_caching = pool.enable_caching
+        self._reclaim = reclaim
+        self._on_exact_run = on_exact_run
+        # counters (tokens), counted when a waiting request is admitted (`admit`)
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.approx_prefix_hits = 0     # tokens served from the approximate chain
 
     # ---- prefix cache -----------------------------------------------------------------------
-    def hash_blocks(self, req: Request, num_blocks: int) -> None:
+    def hash_blocks(self, req: KVRequest, num_blocks: int) -> None:
         """Extend the request's exact hash chain over its first `num_blocks` full blocks (at most the
         full blocks it has). Hashes are made when first needed: a blended request only ever needs
         those of its exact prefix, and hashing a 32k-token prompt is milliseconds on the TTFT path."""
@@ -53,7 +108,13 @@ class KVCacheManager:
                 req.all_token_ids[: num_blocks * self.block_size], self.block_size, req.cache_salt,
                 parent=req.block_hashes[-1] if have else None, start=have * self.block_size))
 
-    def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:
+    def find_prefix(self, req: KVRequest, approx: bool) -> PrefixHit:
+        """The request's cached prefix: the longest verified exact hit, continued along the
+        approximate chain when `approx` (the request accepts approximate KV)."""
+        exact, _ = self.get_computed_blocks(req)
+        return PrefixHit(exact, self.get_approx_blocks(req, exact) if approx else [], self.block_size)
+
+    def get_computed_blocks(self, req: KVRequest) -> tuple[list[KVCacheBlock], int]:
         """Longest verified prefix hit. At least one token is always left to compute (its logits are needed)."""
         if not self.enable_prefix_caching:
             return [], 0
@@ -71,7 +132,7 @@ class KVCacheManager:
             parent = block
         return hits, len(hits) * self.block_size
 
-    def get_approx_blocks(self, req: Request, exact_hits: list[KVCacheBlock]) -> list[KVCacheBlock]:
+    def get_approx_blocks(self, req: KVRequest, exact_hits: list[KVCacheBlock]) -> list[KVCacheBlock]:
         """Blocks of the approximate chain that continue `exact_hits` (verified like exact hits)."""
         if not self.enable_prefix_caching:
             return []
@@ -92,7 +153,18 @@ class KVCacheManager:
         return hits
 
     # ---- allocation -------------------------------------------------------------------------
-    def allocate_slots(self, req: Request, num_new_tokens: int,
+    def admit(self, req: KVRequest, num_new_tokens: int, hit: PrefixHit) -> bool:
+        """A waiting request's first allocation: its prefix hit's blocks, then room for
+        `num_new_tokens`; the prefix-cache counters count it. False, nothing changed, when the pool
+        cannot supply the blocks."""
+        if not self.allocate_slots(req, num_new_tokens, hit.blocks):
+            return False
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += hit.num_exact_tokens
+        self.approx_prefix_hits += hit.num_approx_tokens
+        return True
+
+    def allocate_slots(self, req: KVRequest, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens after the (hit-extended) computed ones.
         Returns False and changes nothing when the pool cannot supply the blocks."""
@@ -108,7 +180,7 @@ class KVCacheManager:
                 short = need - self.pool.num_free_blocks
                 if short <= 0:
                     break
-                if self.reclaim is None or self.reclaim(short) == 0:
+                if self._reclaim is None or self._reclaim(short) == 0:
                     return False
         self.pool.touch(hits)
         req.blocks.extend(hits)
@@ -116,11 +188,15 @@ class KVCacheManager:
             req.blocks.extend(self.pool.get_new_blocks(num_new_blocks))
         return True
 
-    def free(self, req: Request) -> None:
+    def free(self, req: KVRequest) -> None:
+        """Release the request's blocks (finish, abort, preemption). What it registered stays
+        cached; a readmission registers from its new block table (its token hashes are kept)."""
         self.pool.free_blocks(list(reversed(req.blocks)))
         req.blocks = []
+        req.num_exact_cached_blocks = 0
+        req.approx_block_hashes, req.num_approx_cached_blocks = [], 0
 
-    def cache_blocks(self, req: Request, num_exact_tokens: int) -> None:
+    def cache_blocks(self, req: KVRequest, num_exact_tokens: int) -> None:
         """Register the request's full blocks below `num_exact_tokens` (already computed, exact KV)."""
         if not self.enable_prefix_caching:
             return
@@ -140,16 +216,15 @@ class KVCacheManager:
             self._report_run(req, run_start, n)
         req.num_exact_cached_blocks = n
 
-    def _report_run(self, req: Request, start: int, end: int) -> None:
+    def _report_run(self, req: KVRequest, start: int, end: int) -> None:
         # only blocks of prompt tokens become span sources: generated tokens rarely recur elsewhere,
         # and a teacher-forced evaluation (prompt + continuation, `query_horizon`) must index exactly
         # what the plain request indexes
-        prompt_end = req.num_prompt_tokens if req.query_horizon is None else min(req.query_horizon, req.num_prompt_tokens)
-        end = min(end, prompt_end // self.block_size)
-        if self.on_exact_blocks is not None and end > start:
-            self.on_exact_blocks(req, start, req.blocks[start:end])
+        end = min(end, req.prompt_end // self.block_size)
+        if self._on_exact_run is not None and end > start:
+            self._on_exact_run(req.all_token_ids, req.cache_salt, start, req.blocks[start:end])
 
-    def _hash_approx(self, req: Request, n_full: int) -> None:
+    def _hash_approx(self, req: KVRequest, n_full: int) -> None:
         """Extend `req.approx_block_hashes`: the chain from block exact_prefix_len // block_size on."""
         bs = self.block_size
         start = req.exact_prefix_len // bs                     # the block holding the first approximate KV
@@ -165,7 +240,7 @@ class KVCacheManager:
             req.all_token_ids[: n_full * bs], bs, req.cache_salt, parent=parent, start=have * bs,
             approx_key=req.reuse.kv_key))
 
-    def cache_approx_blocks(self, req: Request) -> None:
+    def cache_approx_blocks(self, req: KVRequest) -> None:
         """Register the request's full computed blocks at or after `exact_prefix_len` on the
         approximate chain (incremental: each step registers only the blocks it completed)."""
         if not self.enable_prefix_caching or req.exact_prefix_len is None or not req.approx_prefix_enabled:

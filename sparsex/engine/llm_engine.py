@@ -14,17 +14,19 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
+from sparsex.cache.block_pool import BlockPool
 from sparsex.cache.kv_cache_manager import KVCacheManager, cdiv
 from sparsex.config import EngineConfig, ReuseConfig
 from sparsex.engine.detokenizer import IncrementalDetokenizer
 from sparsex.engine.model_runner import ModelRunner, RequestStepResult
-from sparsex.engine.scheduler import Scheduler, ScheduledRequest
+from sparsex.engine.scheduler import Scheduler, SchedulerOutput
 from sparsex.engine.warmup import PARAMS as WARMUP_PARAMS, warmup_waves
 from sparsex.inputs import TokenizedPrompt, chat_prompt, parse_prompt
 from sparsex.models.loader import load_model
 from sparsex.outputs import TRANSPARENT_SOURCES, CompletionOutput, RequestOutput
 from sparsex.request import Request, RequestStatus
 from sparsex.sampling_params import SamplingParams
+from sparsex.segment.reuse_plan import ReuseRecord
 from sparsex.segment.reuse_planner import ReusePlanner
 from sparsex.segment.segment_index import SegmentIndex
 from sparsex.segment.segment_registrar import SegmentRegistrar
@@ -85,7 +87,7 @@ class LLMEngine:
             from sparsex.kvstore.record import model_fingerprint
             from sparsex.kvstore.segment_store import SegmentStore
             fingerprint = model_fingerprint(loaded.name, repr(loaded.config), self.runner.model.embed_tokens.weight[:8])
-            self.store = SegmentStore(self.runner, None, fingerprint, host_bytes=config.host_kv_cache_memory,
+            self.store = SegmentStore(self.runner.device_kv(), fingerprint, host_bytes=config.host_kv_cache_memory,
                                       url=config.segment_store, fetch=config.segment_store_fetch,
                                       merge_cap=config.reuse.merge_encodings)
         del loaded
@@ -103,25 +105,26 @@ class LLMEngine:
         KV tensors, decode graphs) is kept."""
         config = self.config
         self.runner.reset_blend_state()
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        if self.store is not None:
+            self.store.reset()
+        # built bottom-up, each part handed what it calls: the span index hears of evicted blocks
+        # and of exact runs, the segment index spills evictions to the store, the KV-cache manager
+        # reclaims blocks from the segment index
+        self.span_index = None           # segment/span_index.SpanIndex: spans found by content
         self.segment_index = None
         self.planner = None              # segment/reuse_planner.ReusePlanner: admission
         self.registrar = None            # segment/segment_registrar.SegmentRegistrar: after the step
-        self.span_index = None           # segment/span_index.SpanIndex: spans found by content
         if config.enable_segment_reuse:
             self.span_index = SpanIndex(config.block_size)
-            self.kv.pool.on_evict = self.span_index.on_evict
-            self.kv.on_exact_blocks = lambda req, first, blocks: self.span_index.add_request_run(
-                req.all_token_ids, req.cache_salt, first, blocks)
-            self.segment_index = SegmentIndex(self.kv.pool, config.block_size, policy=config.segment_eviction,
-                                              spans=self.span_index)
-            self.kv.reclaim = self.segment_index.evict_blocks
+            pool = BlockPool(self.runner.num_blocks, config.enable_prefix_caching, on_evict=self.span_index.on_evict)
+            self.segment_index = SegmentIndex(pool, config.block_size, config.segment_eviction, spans=self.span_index,
+                                              spill=self.store.spill if self.store is not None else None)
+            self.kv = KVCacheManager(pool, config.block_size, reclaim=self.segment_index.evict_blocks,
+                                     on_exact_run=self.span_index.add_request_run)
             self.planner = ReusePlanner(self.segment_index, self.span_index, self.store)
-            self.registrar = SegmentRegistrar(self.segment_index, config.block_size, self.runner)
-            if self.store is not None:
-                self.store.reset(self.segment_index)
-                self.segment_index.on_evict = self.store.spill
-                self.registrar.store = self.store
+            self.registrar = SegmentRegistrar(self.segment_index, self.runner.device_kv(), self.store)
+        else:
+            self.kv = KVCacheManager(BlockPool(self.runner.num_blocks, config.enable_prefix_caching), config.block_size)
         self.num_recomputed_tokens = 0   # over every blended request (EngineStats.recomputed_tokens)
         self.reused_tokens_by_source: dict[str, int] = {}   # ReusedSpan.source -> tokens, every request
         self.scheduler = Scheduler(config, self.kv, self.planner)
@@ -206,9 +209,8 @@ class LLMEngine:
                 gen = torch.Generator(device=self.runner.device).manual_seed(p.seed % 2**64)  # n>1: seed+i may wrap
             req = Request(request_id=rid, prompt_token_ids=list(tp.token_ids), params=p, arrival_time=arrival,
                           prompt=tp.text, cache_salt=tp.cache_salt, segments=list(tp.segments), reuse=reuse_cfg,
-                          eos_token_ids=self.eos_token_ids, max_tokens=max_tokens)
-            req.generator = gen
-            req.query_horizon = tp.query_horizon
+                          eos_token_ids=self.eos_token_ids, max_tokens=max_tokens, generator=gen,
+                          query_horizon=tp.query_horizon)
             self.requests[rid] = req
             self.scheduler.add(req)
         if params.n > 1:
@@ -232,13 +234,18 @@ class LLMEngine:
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        touched: list[Request] = []
-        for req in sched.aborted:
-            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-            touched.append(req)
+        touched: list[Request] = list(sched.aborted)       # finished by the scheduler: the pool cannot hold them
         if sched.scheduled:
             t0 = time.perf_counter()
-            results = self.runner.execute(sched, overlap=lambda: self._bookkeep(sched))
+            try:
+                launched = self.runner.launch(sched)
+            finally:
+                # the step's reuse plans are released here and nowhere else once admitted: the
+                # forward has copied their hits (or failed), later kernels read the copies
+                for plan in sched.reuse_plans:
+                    self.planner.release(plan)
+            self._bookkeep(sched)         # while the device computes the sampled tokens
+            results = self.runner.collect(launched)
             if self.store is not None:
                 # the fetch policy weighs a fetch against recomputing: plain prefill steps say what that costs
                 plain = [s.num_new_tokens for s in sched.scheduled if s.reuse_plan is None and s.num_new_tokens > 1]
@@ -255,45 +262,42 @@ class LLMEngine:
                 for pos, d in res.distributions:
                     req.distributions[pos] = d
                 if s.admitted:
-                    self._set_reuse_counters(req, s, res)
+                    self._count_reuse(req, res)
                 if res.sampled_token is None:
                     continue
                 self._append_token(req, res.sampled_token, res.logprobs, now)
                 touched.append(req)
         return [o for o in (self._make_output(r) for r in self._dedupe(touched)) if o is not None]
 
-    def _bookkeep(self, sched) -> None:
+    def _bookkeep(self, sched: SchedulerOutput) -> None:
         """The step's cache bookkeeping, run once the forward is launched and before its sampled
-        tokens are waited for (on the GPU it then costs no TTFT: at 32k blended tokens it is ~4.6 ms of
-        host work that would otherwise follow the token): count the computed tokens, unlock the
-        blend's segment hits, register the request's segments (segment/segment_registrar.py) and its
-        full blocks on the exact and approximate chains.
+        tokens are read back (on the GPU it then costs no TTFT: at 32k blended tokens it is ~4.6 ms of
+        host work that would otherwise follow the token): count the computed tokens, register the
+        request's segments (segment/segment_registrar.py) and its full blocks on the exact and
+        approximate chains.
         Registering KV the GPU is still writing is safe: anything that reads it is scheduled by a
         later step, so its kernels run after this forward on the same stream."""
+        self.scheduler.advance(sched)
         for s in sched.scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            if s.reuse_plan is not None:
-                self.planner.release(req)        # its forward has copied the hits
-            if (self.registrar is not None and req.num_computed_tokens >= req.num_prompt_tokens
-                    and not req.segments_registered):
-                req.segments_registered = True
-                self.registrar.register(req)
+            if self.registrar is not None:
+                self.registrar.register_if_prefilled(req)
             self.kv.cache_blocks(req, self._exact_len(req))
             self.kv.cache_approx_blocks(req)
 
-    def _set_reuse_counters(self, req: Request, s: ScheduledRequest, res: RequestStepResult) -> None:
-        """A request's reuse counters, once, from its first step since admission: its reused spans
-        (set by the scheduler at admission: the approximate-chain prefix it continued, then the spans
-        of its plan), and what its forward's selection kept of them."""
+    def _count_reuse(self, req: Request, res: RequestStepResult) -> None:
+        """What the admission's first step did with the request's reused spans: the record's
+        selection counters (written here only) and the engine's totals."""
+        record = req.reuse_record
+        if record is None:
+            return
         blend = res.blend
         if blend is not None:
+            record.num_recomputed_tokens = blend.num_recomputed_tokens
+            record.num_candidate_tokens = blend.num_candidate_tokens
             self.num_recomputed_tokens += blend.num_recomputed_tokens
-        for span in req.reused_spans:
+        for span in record.reused_spans:
             self.reused_tokens_by_source[span.source] = self.reused_tokens_by_source.get(span.source, 0) + span.num_tokens
-        req.num_reused_tokens = sum(span.num_tokens for span in req.reused_spans)
-        req.num_recomputed_tokens = blend.num_recomputed_tokens if blend is not None else 0
-        req.num_candidate_tokens = blend.num_candidate_tokens if blend is not None else 0
 
     def _exact_len(self, req: Request) -> int:
         """Tokens of the request whose KV is exact (all, unless segment reuse blended it)."""
@@ -316,11 +320,11 @@ class LLMEngine:
         if logprobs is not None:
             req.output_logprobs.append(logprobs)
         p = req.params
-        status = None
+        status, stop_reason = None, None
         if not p.ignore_eos and token in req.eos_token_ids:
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
+            status = RequestStatus.FINISHED_STOPPED
         elif token in p.stop_token_ids:
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+            status, stop_reason = RequestStatus.FINISHED_STOPPED, token
         if req.detokenizer is None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens)
         text = req.detokenizer.update(req.output_token_ids)
@@ -331,7 +335,7 @@ class LLMEngine:
             if hits:
                 at, s = min(hits)
                 text = text[: at + len(s)] if p.include_stop_str_in_output else text[:at]
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, s
+                status, stop_reason = RequestStatus.FINISHED_STOPPED, s
         req.output_text = text
         if status is None and len(req.output_token_ids) >= req.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
@@ -339,7 +343,7 @@ class LLMEngine:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             req.metrics.finished_time = now
-            self.scheduler.finish(req, status)
+            self.scheduler.finish(req, status, stop_reason)
 
     def _completion(self, req: Request, index: int) -> CompletionOutput:
         return CompletionOutput(index=index, text=req.output_text, token_ids=list(req.output_token_ids),
@@ -351,13 +355,14 @@ class LLMEngine:
         parent = rid.rsplit("#", 1)[0] if "#" in rid and rid.rsplit("#", 1)[0] in self.parents else None
         group = [self.requests[c] for c in self.parents[parent]] if parent else [req]
         first = group[0]
+        record = first.reuse_record or ReuseRecord()
         out = RequestOutput(
             request_id=parent or rid, prompt=first.prompt, prompt_token_ids=list(first.prompt_token_ids),
             prompt_logprobs=first.prompt_logprobs, outputs=[self._completion(r, i) for i, r in enumerate(group)],
             finished=all(r.is_finished for r in group), metrics=first.metrics,
-            num_cached_tokens=first.num_cached_tokens, num_reused_tokens=first.num_reused_tokens,
-            num_recomputed_tokens=first.num_recomputed_tokens, num_candidate_tokens=first.num_candidate_tokens,
-            reused_spans=list(first.reused_spans), reuse_skipped=first.reuse_skipped)
+            num_cached_tokens=first.num_cached_tokens, num_reused_tokens=record.num_reused_tokens,
+            num_recomputed_tokens=record.num_recomputed_tokens, num_candidate_tokens=record.num_candidate_tokens,
+            reused_spans=list(record.reused_spans), reuse_skipped=record.skipped)
         if out.finished and first.distributions is not None:
             out.distributions = dict(first.distributions)
         if out.finished:
@@ -372,11 +377,9 @@ class LLMEngine:
         """Drop every cached block and segment entry not held by a running request, and the host
         tier (a shared store is left as it is: other replicas use it)."""
         if self.segment_index is not None:
-            spill, self.segment_index.on_evict = self.segment_index.on_evict, None
             self.segment_index.clear()
-            self.segment_index.on_evict = spill
         if self.store is not None:
-            self.store.reset(self.segment_index)
+            self.store.reset()
         self.kv.pool.reset_prefix_cache()
 
     def close(self) -> None:
@@ -420,6 +423,7 @@ class LLMEngine:
             for bid, c in self.segment_index.block_refs().items():
                 refs[bid] = refs.get(bid, 0) + c
             self.segment_index.check_integrity()
+            self.planner.check_integrity()
         if self.store is not None:
             self.store.check_integrity()
         self.kv.pool.check_integrity(refs)

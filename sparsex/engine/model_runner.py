@@ -4,18 +4,21 @@ segment-reuse plans (KV copy + row selection), runs the forward, samples, comput
 On CUDA the step's index arrays are built on the host and reach the device in one non_blocking
 copy (`host_inputs.py`); the only host-device sync of a step is reading the sampled tokens (a
 blended prefill's selection stays on the device: segment/step_blend.py). Steps made only of one-row decodes
-replay a CUDA graph (`cuda_graph.py`) unless `enforce_eager` is set (env SPARSEX_ENFORCE_EAGER=1).
+replay a CUDA graph (`cuda_graph.py`) unless `EngineConfig.enforce_eager` is set.
+
+A step is two calls, so the engine's host bookkeeping overlaps the device work:
+    launch(sched)  -> LaunchedStep   every kernel up to the sampled tokens launched (no sync)
+    collect(step)  -> results        the sampled tokens read back (the step's one device->host sync)
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable
-
 import numpy as np
 import torch
 
+from sparsex.cache.device_kv import DeviceKV
+from sparsex.cache.slot_mapping import slot_mapping, slot_of
 from sparsex.config import EngineConfig
 from sparsex.engine.cuda_graph import BATCH_SIZES, DecodeGraphs
 from sparsex.layers.forward_context import ForwardContext
@@ -108,8 +111,6 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.uploader = PinnedUploader(self.device)
         self.block_tables = BlockTables()
-        # decode steps replay CUDA graphs (captured at the first such step) unless this is set
-        self.enforce_eager = os.environ.get("SPARSEX_ENFORCE_EAGER", "0") == "1"
         # an MoE block on its per-expert loop (fp32, or no grouped GEMM) reads counts on the host: no graphs
         self.graphs_capturable = all(m.graph_capturable(self.device, self.dtype) for m in self.model.modules()
                                      if isinstance(m, SparseMoeBlock))
@@ -119,6 +120,12 @@ class ModelRunner:
         """Reseed what blended prefills draw from and zero the timings (the engine's cache reset)."""
         self.selection_generator = torch.Generator().manual_seed(self.config.seed)
         self.timings = StepTimings()
+
+    def device_kv(self) -> DeviceKV:
+        """The KV caches as the segment registrar and store write them."""
+        return DeviceKV(kv_caches=self.kv_caches, block_size=self.block_size, device=self.device, dtype=self.dtype,
+                        bytes_per_token=self.bytes_per_block() // self.block_size, upload=self.uploader.upload,
+                        layer_inv_freqs=lambda: self.model.layer_inv_freqs())
 
     def bytes_per_block(self) -> int:
         cfg = self.model_config
@@ -159,12 +166,12 @@ class ModelRunner:
             if end - start == 1:
                 ids.append(_token_at(req, start))
                 pos.append(start)
-                slots.append(int(table[start // bs]) * bs + start % bs)
+                slots.append(slot_of(table, start, bs))
             else:
                 p = np.arange(start, end, dtype=np.int64)
                 ids.append(np.asarray(_token_slice(req, start, end), dtype=np.int64))
                 pos.append(p)
-                slots.append(table[p // bs].astype(np.int64) * bs + p % bs)
+                slots.append(slot_mapping(table, p, bs))
             step.cu.append(step.cu[-1] + end - start)
             step.seq_lens.append(end)
             step.tables.append(table)
@@ -180,7 +187,7 @@ class ModelRunner:
 
     def _graph_ok(self, sched: SchedulerOutput) -> bool:
         """CUDA graphs only for steps whose every request is a one-row decode and nothing blends."""
-        if self.device.type != "cuda" or self.enforce_eager or not self.graphs_capturable:
+        if self.device.type != "cuda" or self.config.enforce_eager or not self.graphs_capturable:
             return False
         if any(s.request.params.distributions_from is not None for s in sched.scheduled):
             return False          # a graph computes the sampled rows' logits only
@@ -189,11 +196,23 @@ class ModelRunner:
         return all(s.num_new_tokens == 1 and s.reuse_plan is None
                    and s.request.num_computed_tokens >= s.request.num_prompt_tokens for s in sched.scheduled)
 
+    def execute(self, sched: SchedulerOutput) -> dict[str, RequestStepResult]:
+        """Run one step to its results (`launch` then `collect`, nothing in between)."""
+        return self.collect(self.launch(sched))
+
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, overlap: Callable[[], None]) -> dict[str, RequestStepResult]:
-        """Run one step. `overlap`: host work every step needs (the engine's bookkeeping), called
-        exactly once, when every kernel up to the sampled tokens is launched and before they are
-        read back (on the GPU it then costs no time; on the CPU the forward has already run)."""
+    def collect(self, step: LaunchedStep) -> dict[str, RequestStepResult]:
+        """The launched step's sampled tokens (and logprobs), read back: the step's one device->host sync."""
+        if step.sampled is not None:
+            self._collect_sample(step.sample_reqs, step.sampled, step.results)
+        self.timings.forward_s += time.perf_counter() - step.t0
+        return step.results
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> LaunchedStep:
+        """Launch one step: the forward and the sampling of every request whose last scheduled row
+        is its last token, without waiting for the sampled tokens (`collect` reads them). Host work
+        done between the two costs no time on the GPU; on the CPU the forward has already run."""
         step = self._host_inputs(sched)
         results: dict[str, RequestStepResult] = {s.request.request_id: RequestStepResult() for s in sched.scheduled}
         if self._graph_ok(sched):
@@ -202,11 +221,7 @@ class ModelRunner:
                 self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs,
                                                   self.max_model_len, self.uploader)
             logits = self.decode_graphs.run(step.ids, step.positions, step.slots, step.seq_lens, step.tables)
-            sampled = self._launch_sample(step.sample_reqs, logits.float())
-            overlap()
-            self._collect_sample(step.sample_reqs, sampled, results)
-            self.timings.forward_s += time.perf_counter() - t0
-            return results
+            return LaunchedStep(results, step.sample_reqs, self._launch_sample(step.sample_reqs, logits.float()), t0)
 
         cu, seq_lens = step.cu, step.seq_lens
         max_blocks = max(t.shape[0] for t in step.tables)
@@ -281,6 +296,7 @@ class ModelRunner:
                         d.update({i: lp for i, lp in zip(ids[j], lps[j]) if i not in d})
                     results[req.request_id].prompt_logprobs.append((pos, d))
 
+        sampled = None
         if step.sample_reqs:
             if ctx.kept_rows is not None:
                 # a sampled row is a new token, never dropped: its place among the kept rows, on the device
@@ -288,11 +304,7 @@ class ModelRunner:
             sampled_hidden = hidden.index_select(0, sample_t)
             logits = self.model.compute_logits(sampled_hidden).float()    # [num_sampled, vocab]
             sampled = self._launch_sample(step.sample_reqs, logits)
-        overlap()                       # while the GPU computes the sampled tokens
-        if step.sample_reqs:
-            self._collect_sample(step.sample_reqs, sampled, results)
-        self.timings.forward_s += time.perf_counter() - t0
-        return results
+        return LaunchedStep(results, step.sample_reqs, sampled, t0)
 
     def _launch_sample(self, reqs: list[Request], logits: torch.Tensor) -> SamplerOutput:
         """Launch the sampling of one token per request from logits [len(reqs), vocab] (no sync)."""
@@ -319,6 +331,15 @@ class ModelRunner:
                     for i, lp in zip(top_ids[j][:k], top_lps[j][:k]):
                         d.setdefault(i, lp)
                 res.logprobs = d
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose kernels are launched: what `ModelRunner.collect` needs to finish it."""
+    results: dict[str, RequestStepResult]    # by request id; prompt logprobs, distributions, blend filled in
+    sample_reqs: list[Request]               # the requests whose sampled tokens are in flight
+    sampled: SamplerOutput | None            # None: no request samples this step
+    t0: float                                # perf_counter at the forward's launch (StepTimings.forward_s)
 
 
 @dataclass

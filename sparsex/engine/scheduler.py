@@ -10,20 +10,25 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from sparsex.cache.kv_cache_manager import KVCacheManager
+from sparsex.cache.kv_cache_manager import KVCacheManager, PrefixHit
 from sparsex.config import EngineConfig
-from sparsex.outputs import ReusedSpan
 from sparsex.request import Request, RequestStatus
-from sparsex.segment.reuse_planner import ReusePlan, ReusePlanner
+from sparsex.segment.reuse_plan import ReusePlan, ReuseRecord
+from sparsex.segment.reuse_planner import ReusePlanner
 
 
 @dataclass
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
-    reuse_plan: ReusePlan | None = None     # the segment hits a blended prefill copies in this step
     admitted: bool = False                  # the request's first step since (re)admission
-    num_approx_tokens: int = 0              # admitted: approximate-chain prefix tokens, after the exact hit
+
+    @property
+    def reuse_plan(self) -> ReusePlan | None:
+        """The segment hits a blended prefill copies in this step: its admission's plan (the
+        request's reuse record holds it; a plan runs only in the step that admitted it)."""
+        record = self.request.reuse_record
+        return record.plan if self.admitted and record is not None else None
 
 
 @dataclass
@@ -36,8 +41,15 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
+    @property
+    def reuse_plans(self) -> list[ReusePlan]:
+        return [s.reuse_plan for s in self.scheduled if s.reuse_plan is not None]
+
 
 class Scheduler:
+    """The one writer of a request's status, stop_reason, num_computed_tokens, num_cached_tokens
+    and num_preemptions."""
+
     def __init__(self, config: EngineConfig, kv: KVCacheManager, segment_planner: ReusePlanner | None = None):
         self.config = config
         self.kv = kv
@@ -55,14 +67,10 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self.kv.free(req)
-        if self.segment_planner is not None:
-            self.segment_planner.release(req)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
         # recomputed from scratch on readmission: whatever KV it gets then decides what is exact
-        req.exact_prefix_len = None
-        req.approx_block_hashes, req.num_approx_cached_blocks = [], 0
-        req.num_exact_cached_blocks = 0
+        # (readmission plans a new reuse record)
+        req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -103,62 +111,53 @@ class Scheduler:
             # prompt_logprobs ask for every prompt position, and a cached position has no logits:
             # such a request reads no cache (as in vLLM); its blocks are still cached for others
             reads_cache = req.params.prompt_logprobs is None
-            hits, num_hit = self.kv.get_computed_blocks(req) if reads_cache else ([], 0)
-            approx_hits: list = []
-            if self.segment_planner is not None and req.approx_prefix_enabled and reads_cache:
-                approx_hits = self.kv.get_approx_blocks(req, hits)
-            num_approx = len(approx_hits) * self.kv.block_size
-            plan = None
-            if self.segment_planner is not None and req.reuse is not None and reads_cache:
-                plan = self.segment_planner.plan(req, num_hit + num_approx)
-            num_new = req.num_tokens - req.num_computed_tokens - num_hit - num_approx
-            if plan is not None:
-                # a blended prefill cannot be chunked; it may exceed the budget only alone
-                if num_new > budget and out.scheduled:
-                    self.segment_planner.release(req)
-                    break
-            else:
+            planner = self.segment_planner if req.reuse is not None else None
+            hit = (self.kv.find_prefix(req, approx=planner is not None and req.approx_prefix_enabled)
+                   if reads_cache else PrefixHit([], [], self.kv.block_size))
+            record: ReuseRecord | None = None
+            if planner is not None:
+                record = planner.plan(req, hit.num_exact_tokens, hit.num_approx_tokens, search=reads_cache)
+            plan = record.plan if record is not None else None
+            num_new = req.num_tokens - req.num_computed_tokens - hit.num_tokens
+            if plan is None:
                 num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(req, num_new, hits + approx_hits):
+            # a blended prefill cannot be chunked; it may exceed the budget only alone
+            fits = plan is None or num_new <= budget or not out.scheduled
+            if not (fits and self.kv.admit(req, num_new, hit)):
                 if plan is not None:
-                    self.segment_planner.release(req)
-                if not self.running and not out.scheduled:
+                    planner.release(plan)         # the plan of an admission that failed
+                if fits and not self.running and not out.scheduled:
                     # nothing will ever free blocks for it: the pool is too small for this request
                     self.waiting.popleft()
-                    req.status = RequestStatus.FINISHED_ABORTED
-                    req.stop_reason = "kv_cache_too_small"
+                    self.finish(req, RequestStatus.FINISHED_ABORTED, "kv_cache_too_small")
                     out.aborted.append(req)
                     continue
                 break
             self.waiting.popleft()
-            if self.segment_planner is not None and req.reuse is not None:
-                self.segment_planner.admitted(req)
-            self.kv.prefix_queries += req.num_tokens
-            self.kv.prefix_hits += num_hit
-            req.num_computed_tokens += num_hit + num_approx
-            req.num_cached_tokens = num_hit
-            if num_approx:
-                self.kv.approx_prefix_hits += num_approx
-            if num_approx or plan is not None:
-                # KV from here on is approximate (continued along the approximate chain, or blended in
-                # this step); known before the forward, so its block hashes can be made during it
-                req.exact_prefix_len = num_hit if num_approx else plan.first_reused_position
-            req.reused_spans = ([ReusedSpan(num_hit, num_hit + num_approx, "approx_prefix")] if num_approx else []) + (
-                [ReusedSpan(h.start, h.end, h.source) for h in plan.hits] if plan is not None else [])
+            if record is not None:
+                planner.admit(req, record)
+            req.num_computed_tokens += hit.num_tokens
+            req.num_cached_tokens = hit.num_exact_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_new, plan, admitted=True, num_approx_tokens=num_approx))
+            out.scheduled.append(ScheduledRequest(req, num_new, admitted=True))
             scheduled_ids.add(req.request_id)
             budget -= num_new
         return out
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """Retire a request (stopped, length, aborted) and release its blocks."""
+    def advance(self, sched: SchedulerOutput) -> None:
+        """The step's forward has launched: its scheduled tokens count as computed (on the GPU the
+        kernels still run; anything that reads their KV is scheduled by a later step)."""
+        for s in sched.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+
+    def finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """Retire a request (stopped, length, aborted) and release its blocks. It holds no reuse
+        plan: a plan never outlives the step that made it (segment/reuse_plan.py)."""
         req.status = status
+        req.stop_reason = stop_reason
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
-        if self.segment_planner is not None:
-            self.segment_planner.release(req)

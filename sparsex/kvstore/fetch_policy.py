@@ -14,7 +14,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-FETCH_MODES = ("auto", "always", "never")
+from sparsex.config import STORE_FETCH_MODES
+
 _EWMA_ALPHA = 0.2
 
 
@@ -35,9 +36,10 @@ class FetchPolicy:
     """Fetch a span from a tier only when it is cheaper than recomputing it: est_fetch = latency +
     bytes / bandwidth + bytes / load rate vs est_recompute = tokens / prefill_tokens_per_s."""
 
-    def __init__(self, mode: str = "auto"):
-        if mode not in FETCH_MODES:
-            raise ValueError(f"fetch mode must be one of {FETCH_MODES}, got {mode!r}")
+    def __init__(self, mode: str):
+        """`mode`: one of STORE_FETCH_MODES (EngineConfig.segment_store_fetch)."""
+        if mode not in STORE_FETCH_MODES:
+            raise ValueError(f"fetch mode must be one of {STORE_FETCH_MODES}, got {mode!r}")
         self.mode = mode
         self.fetched = 0          # decisions to fetch
         self.recomputed = 0       # decisions to recompute

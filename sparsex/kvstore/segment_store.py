@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from sparsex.cache.device_kv import DeviceKV
+from sparsex.cache.slot_mapping import block_ids, block_span, slot_mapping
 from sparsex.kvstore.fetch_policy import FetchPolicy
 from sparsex.kvstore.host_tier import HostTier
 from sparsex.kvstore.record import CorruptRecord, SegmentRecord, decode, encode, record_key
@@ -61,13 +63,15 @@ class StoreStats:
 
 
 class SegmentStore:
-    def __init__(self, runner, index: SegmentIndex, model_fingerprint: str, *, host_bytes: int = 0,
-                 url: str | None = None, fetch: str = "auto", merge_cap: int = 4):
-        self.runner = runner
-        self.index = index
+    """`fetch`: EngineConfig.segment_store_fetch; `merge_cap`: ReuseConfig.merge_encodings (the
+    most encodings a shared record averages)."""
+
+    def __init__(self, kv: DeviceKV, model_fingerprint: str, *, host_bytes: int, url: str | None, fetch: str,
+                 merge_cap: int):
+        self.kv = kv
         self.fingerprint = model_fingerprint
         self.merge_cap = merge_cap
-        self.host = HostTier(host_bytes, pin=runner.device.type == "cuda") if host_bytes > 0 else None
+        self.host = HostTier(host_bytes, pin=kv.device.type == "cuda") if host_bytes > 0 else None
         self.remote = None
         if url:
             from sparsex.kvstore.redis_tier import RedisTier
@@ -75,8 +79,7 @@ class SegmentStore:
         self.policy = FetchPolicy(fetch)
         self.fetch_seconds = 0.0
         self.installed_tokens = 0
-        # bytes of one token's KV over every layer: what a record of n tokens carries
-        self.bytes_per_token = runner.bytes_per_block() // runner.block_size
+        self.bytes_per_token = kv.bytes_per_token        # what a record carries per token
         self._jobs: queue.Queue | None = None
         self._worker: threading.Thread | None = None
         if self.remote is not None:
@@ -84,28 +87,26 @@ class SegmentStore:
             self._worker = threading.Thread(target=self._work, name="sparsex-store-writer", daemon=True)
             self._worker.start()
 
-    def reset(self, index: SegmentIndex) -> None:
-        """A new (or cleared) segment index: follow it; the host tier starts empty."""
-        self.index = index
+    def reset(self) -> None:
+        """The engine's caches were reset: the host tier starts empty (a shared store is left as it
+        is: other replicas use it)."""
         if self.host is not None:
             self.host = HostTier(self.host.capacity, pin=self.host.pin)
 
     # ---- keys and device <-> record ------------------------------------------------------------
     def key(self, token_ids, cache_salt: str | None) -> str:
-        return record_key(token_ids, cache_salt, self.fingerprint, self.runner.dtype)
+        return record_key(token_ids, cache_salt, self.fingerprint, self.kv.dtype)
 
     def _slots(self, blocks, start_pos: int, n: int, block0: int) -> torch.Tensor:
-        bs = self.index.block_size
-        ids = np.fromiter((b.block_id for b in blocks), dtype=np.int64, count=len(blocks))
-        pos = np.arange(start_pos, start_pos + n)
-        return torch.from_numpy(ids[pos // bs - block0] * bs + pos % bs).to(self.runner.device)
+        slots = slot_mapping(block_ids(blocks), np.arange(start_pos, start_pos + n), self.kv.block_size, block0)
+        return torch.from_numpy(slots).to(self.kv.device)
 
     def _gather(self, blocks, start_pos: int, n: int, block0: int) -> torch.Tensor:
         """K/V of positions start_pos.. held by `blocks` (blocks[0] is block `block0`), every layer:
         [layers, 2, n, kv_heads, head_dim], a copy on the KV's device."""
         slots = self._slots(blocks, start_pos, n, block0)
         return torch.stack([torch.stack([c.view(-1, *c.shape[2:]).index_select(0, slots) for c in kv])
-                            for kv in self.runner.kv_caches])
+                            for kv in self.kv.kv_caches])
 
     def _record(self, entry: SegmentEntry, kv: torch.Tensor) -> SegmentRecord:
         return SegmentRecord(np.frombuffer(entry.tokens, dtype=np.int32).copy(), entry.cache_salt,
@@ -113,10 +114,10 @@ class SegmentStore:
 
     # ---- device -> tiers -----------------------------------------------------------------------
     def spill(self, entry: SegmentEntry) -> None:
-        """`SegmentIndex.on_evict`: keep an evicted entry's KV in the host tier."""
+        """`SegmentIndex`'s spill: keep an evicted entry's KV in the host tier."""
         if self.host is None:
             return
-        kv = self._gather(entry.blocks, entry.start_pos, len(entry), entry.start_pos // self.index.block_size)
+        kv = self._gather(entry.blocks, entry.start_pos, len(entry), entry.start_pos // self.kv.block_size)
         # one device -> host copy, straight into pinned memory where the tier pins (a pageable .cpu()
         # and then pin_memory() is two copies, the first at pageable speed)
         host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=self.host.pin)
@@ -129,7 +130,7 @@ class SegmentStore:
         happen in the writer thread."""
         if self.remote is None or not entry.explicit:
             return
-        kv = self._gather(entry.blocks, entry.start_pos, len(entry), entry.start_pos // self.index.block_size)
+        kv = self._gather(entry.blocks, entry.start_pos, len(entry), entry.start_pos // self.kv.block_size)
         self._jobs.put(("put", self.key(entry.tokens, entry.cache_salt), self._record(entry, kv)))
 
     def publish_merge(self, entry: SegmentEntry, blocks, start: int) -> None:
@@ -171,7 +172,7 @@ class SegmentStore:
             return encode(fresh)
         if cur.num_encodings >= self.merge_cap or not np.array_equal(cur.token_ids, fresh.token_ids):
             return None
-        inv_freqs = [f.cpu() for f in self.runner.model.layer_inv_freqs()]
+        inv_freqs = [f.cpu() for f in self.kv.layer_inv_freqs()]
         delta = torch.full((fresh.num_tokens,), cur.start_pos - fresh.start_pos, dtype=torch.int64)
         # no in-place change of `fresh`: a compare-and-set retry calls this again with the same record
         keys = torch.stack([rerotate_keys(fresh.kv[layer, 0], delta, f) for layer, f in enumerate(inv_freqs)])
@@ -198,15 +199,15 @@ class SegmentStore:
             self.remote.close()
 
     # ---- tiers -> device -----------------------------------------------------------------------
-    def load(self, spans: list[tuple[list[int], str | None]]) -> int:
-        """Install as entries the segments `spans` (token ids, salt) that a tier holds (`fetch`);
-        returns how many. A remote record's decode + install time feeds the fetch policy."""
+    def load(self, spans: list[tuple[list[int], str | None]], index: SegmentIndex) -> int:
+        """Install as entries of `index` the segments `spans` (token ids, salt) that a tier holds
+        (`fetch`); returns how many. A remote record's decode + install time feeds the fetch policy."""
         installed = 0
         for record, decode_s in self.fetch(spans):
             if record is None:
                 continue
             t0 = time.perf_counter()
-            if self.install(record) is None:
+            if self.install(record, index) is None:
                 continue
             installed += 1
             if decode_s is not None:
@@ -254,21 +255,22 @@ class SegmentStore:
         self.fetch_seconds += time.perf_counter() - t0
         return out
 
-    def install(self, record: SegmentRecord) -> SegmentEntry | None:
-        """Make `record` a segment entry: blocks from the pool's free queue (None, nothing changed,
-        when it is short: a fetch never evicts what the device holds), K/V of every layer written."""
-        bs = self.index.block_size
-        first, last = record.start_pos // bs, (record.start_pos + record.num_tokens - 1) // bs
-        pool = self.index.pool
+    def install(self, record: SegmentRecord, index: SegmentIndex) -> SegmentEntry | None:
+        """Make `record` an entry of `index`: blocks from the pool's free queue (None, nothing
+        changed, when it is short: a fetch never evicts what the device holds), K/V of every layer
+        written."""
+        bs = self.kv.block_size
+        first, last = block_span(record.start_pos, record.num_tokens, bs)
+        pool = index.pool
         if pool.num_free_blocks < last - first + 1:
             return None
         blocks = pool.get_new_blocks(last - first + 1)
         slots = self._slots(blocks, record.start_pos, record.num_tokens, first)
-        kv = record.kv.to(self.runner.device, non_blocking=True)
-        for (k_cache, v_cache), layer in zip(self.runner.kv_caches, kv):
+        kv = record.kv.to(self.kv.device, non_blocking=True)
+        for (k_cache, v_cache), layer in zip(self.kv.kv_caches, kv):
             k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, layer[0])
             v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, layer[1])
-        entry = self.index.insert(record.token_ids.tolist(), record.cache_salt, [None] * first + blocks,
+        entry = index.insert(record.token_ids.tolist(), record.cache_salt, [None] * first + blocks,
                                   record.start_pos, explicit=record.explicit)
         pool.free_blocks(list(reversed(blocks)))          # the entry holds them now
         if entry is None:

@@ -1,11 +1,13 @@
 """Admission-time planning of a blended prefill: which spans of a request's prompt reuse KV the
 engine holds, held until the forward that copies them has run.
 
-For a request whose prompt is P (exact prefix hit) + reused spans R1..Rm + new tokens N, the
-scheduler asks `ReusePlanner.plan` for R1..Rm once it knows P, confirms with `admitted` when the
-request got its blocks, and `release`s a plan that will not run (preemption, allocation failure,
-abort) or has run (the engine, after the step). The forward side is `step_blend.py`; what the engine
-does with the request's prompt after the step is `segment_registrar.py`.
+For a request whose prompt is P (prefix hit: exact, then approximate) + reused spans R1..Rm + new
+tokens N, the scheduler asks `ReusePlanner.plan` for its `ReuseRecord` (segment/reuse_plan.py) once
+it knows P. A record whose plan blends holds locks; the plan is released exactly once
+(`release`): by the scheduler if the admission fails, else by the engine once the step's forward
+has copied the hits. `admit` attaches the record to the admitted request and counts its lookups.
+The forward side is `step_blend.py`; what the engine does with the request's prompt after the step
+is `segment_registrar.py`.
 
 Spans are found two ways, in this order:
   segment      an explicit segment of the prompt (a message, a `segments` piece) found whole in the
@@ -24,75 +26,55 @@ reallocated) until the plan is released.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from sparsex.cache.block_pool import KVCacheBlock
 from sparsex.config import ReuseConfig
+from sparsex.outputs import ReusedSpan
 from sparsex.request import Request
+from sparsex.segment.reuse_plan import ReusePlan, ReuseRecord, SpanHit
 from sparsex.segment.segment_index import SegmentEntry, SegmentIndex
+from sparsex.segment.segment_tiers import SegmentTiers
 from sparsex.segment.span_index import SpanIndex, resolve_spans
 
 
-@dataclass(frozen=True)
-class SpanHit:
-    """One reused span: prompt positions [start, end) take the KV computed at positions
-    [start_pos, start_pos + end - start), held by `blocks` (blocks[0] holds start_pos's block)."""
-    start: int
-    end: int
-    start_pos: int
-    blocks: tuple[KVCacheBlock, ...]
-    source: str                       # "segment" | "indexed" | "request" (ReusedSpan.source)
-    entry: SegmentEntry | None        # the index entry it came from ("segment", "indexed")
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
-
-
-@dataclass(frozen=True)
-class ReusePlan:
-    """The spans one request blends in its (single) prefill step, sorted by start."""
-    reuse: ReuseConfig
-    hits: tuple[SpanHit, ...]
-
-    @property
-    def num_reused_tokens(self) -> int:
-        return sum(h.num_tokens for h in self.hits)
-
-    @property
-    def first_reused_position(self) -> int:
-        return self.hits[0].start
-
-
-@dataclass(frozen=True)
-class _Pending:
-    """What a planned, not yet admitted request looked up: counted once, at admission."""
-    queried: int                                   # tokens looked up (segments, or the searched range)
-    entries: tuple[tuple[SegmentEntry, int], ...]  # the entries it blends, with the tokens each serves
-    skipped: str | None                            # why found spans are not (all) reused
-
-
 class ReusePlanner:
-    def __init__(self, index: SegmentIndex, spans: SpanIndex | None = None, store=None):
+    def __init__(self, index: SegmentIndex, spans: SpanIndex | None, store: SegmentTiers | None):
         self.index = index
         self.spans = spans
-        self.store = store        # kvstore.segment_store.SegmentStore: tiers below the device, or None
-        self._pending: dict[str, _Pending] = {}
+        self.store = store        # the tiers below the device, or None
+        self._live: dict[int, ReusePlan] = {}      # id -> plan: locked, not yet released
+        self.num_plans = 0        # plans made (locked)
+        self.num_released = 0
 
-    def plan(self, req: Request, num_prefix_hit: int) -> ReusePlan | None:
-        """The spans `req` blends after its first `num_prefix_hit` (cached) tokens, held; None:
-        the request is computed exactly."""
+    def plan(self, req: Request, num_exact_hit: int, num_approx: int, search: bool = True) -> ReuseRecord:
+        """`req`'s reuse for this admission: after its first `num_exact_hit` exact and `num_approx`
+        approximate-chain prefix tokens, the spans it blends (`record.plan`, locked until
+        `release`; None: computed exactly). `search=False` (the request reads no cache) finds nothing."""
+        num_prefix_hit = num_exact_hit + num_approx
+        prefix = (ReusedSpan(num_exact_hit, num_prefix_hit, "approx_prefix"),) if num_approx else ()
+        record = self._find(req, num_prefix_hit) if search else ReuseRecord()
+        plan = record.plan
+        record.reused_spans = prefix + tuple(ReusedSpan(h.start, h.end, h.source) for h in (plan.hits if plan else ()))
+        record.exact_prefix_len = num_exact_hit if num_approx else (plan.first_reused_position if plan else None)
+        if plan is not None:
+            for h in plan.hits:
+                if h.entry is not None:
+                    self.index.lock(h.entry)
+                else:
+                    self.index.pool.touch(list(h.blocks))
+            self._live[id(plan)] = plan
+            self.num_plans += 1
+        return record
+
+    def _find(self, req: Request, num_prefix_hit: int) -> ReuseRecord:
+        """The spans `req` could blend after `num_prefix_hit` tokens, and why found ones are not used."""
         reuse = req.reuse
         hits: list[SpanHit] = []
         found_unblended = False   # blend=False: an entry exists that this request will not reuse
         early = []            # segments found, but computed too early for their position here
         queried = 0
         toks = req.prompt_token_ids
-        # evaluation (teacher forcing): the prompt proper ends at the query horizon, so a teacher-
-        # forced run plans exactly the hits the plain request plans
-        end = req.num_prompt_tokens if req.query_horizon is None else min(req.query_horizon, req.num_prompt_tokens)
+        end = req.prompt_end
         if self.store is not None and reuse.blend:
             self._fetch_missing(req, num_prefix_hit, end)
         for span in req.segments:
@@ -113,9 +95,7 @@ class ReusePlanner:
             if entry is not None:
                 hits.append(SpanHit(span.start, span.end, entry.start_pos, tuple(entry.blocks), "segment", entry))
         if not reuse.blend:
-            skipped = "blend=False: computed exactly" if found_unblended else None
-            self._pending[req.request_id] = _Pending(0, (), skipped)
-            return None
+            return ReuseRecord(skipped="blend=False: computed exactly" if found_unblended else None)
         if reuse.transparent_segments and self.spans is not None and end - 1 > num_prefix_hit:
             if req.prompt_token_array is None:
                 req.prompt_token_array = np.asarray(toks, dtype=np.int32)
@@ -147,19 +127,8 @@ class ReusePlanner:
         blends = bool(hits) and plan.num_reused_tokens >= reuse.min_blend_tokens
         if hits and not blends:
             reasons.append(f"hits below min_blend_tokens ({plan.num_reused_tokens} < {reuse.min_blend_tokens})")
-        skipped = "; ".join(reasons) or None
-        if not blends:
-            self._pending[req.request_id] = _Pending(queried, (), skipped)   # too little to blend: exact
-            return None
-        for h in hits:
-            if h.entry is not None:
-                self.index.lock(h.entry)
-            else:
-                self.index.pool.touch(list(h.blocks))
-        self._pending[req.request_id] = _Pending(
-            queried, tuple((h.entry, h.num_tokens) for h in hits if h.entry is not None), skipped)
-        req.reuse_plan = plan
-        return plan
+        # too little to blend: computed exactly
+        return ReuseRecord(plan=plan if blends else None, skipped="; ".join(reasons) or None, num_query_tokens=queried)
 
     def _fetch_missing(self, req: Request, num_prefix_hit: int, end: int) -> None:
         """Segments of `req` the device does not hold, brought in from the tiers below it (host
@@ -170,29 +139,34 @@ class ReusePlanner:
                    and self.index.lookup(toks[s.start:s.end], req.cache_salt, count=False) is None]
         if not missing:
             return
-        self.store.load([(m, req.cache_salt) for m in missing])
+        self.store.load([(m, req.cache_salt) for m in missing], self.index)
 
-    def admitted(self, req: Request) -> None:
-        """The scheduler admitted the request with its plan: count the lookups once, and say why
-        found spans are not reused (`Request.reuse_skipped`)."""
-        pending = self._pending.pop(req.request_id, _Pending(0, (), None))
-        self.index.record_lookups(pending.queried, list(pending.entries))
-        plan = req.reuse_plan
-        if plan is not None:      # request-KV hits are served by no entry: counted as hit tokens too
-            self.index.hit_tokens += sum(h.num_tokens for h in plan.hits if h.entry is None)
-        req.reuse_skipped = pending.skipped
+    def admit(self, req: Request, record: ReuseRecord) -> None:
+        """The scheduler admitted `req` with `record`: attach it, and count its lookups once (a
+        request that waits is planned again at each step)."""
+        hits = record.plan.hits if record.plan is not None else ()
+        # request-KV hits are served by no entry: counted as hit tokens too
+        self.index.record_lookups(record.num_query_tokens, [(h.entry, h.num_tokens) for h in hits if h.entry is not None],
+                                  request_hit_tokens=sum(h.num_tokens for h in hits if h.entry is None))
+        req.reuse_record = record
 
-    def release(self, req: Request) -> None:
-        """Unlock a plan that will not run (preemption, allocation failure, abort) or has run."""
-        self._pending.pop(req.request_id, None)
-        plan = req.reuse_plan
-        if plan is not None:
-            for h in plan.hits:
-                if h.entry is not None:
-                    self.index.unlock(h.entry)
-                else:
-                    self.index.pool.free_blocks(list(reversed(h.blocks)))
-            req.reuse_plan = None
+    def release(self, plan: ReusePlan) -> None:
+        """Unlock a plan: its admission failed, or the forward that copies its hits has launched
+        (later kernels on the stream read the copies, not the entries). Exactly once per plan."""
+        if self._live.pop(id(plan), None) is None:
+            raise RuntimeError("release of a reuse plan that is not live (released twice, or never planned)")
+        self.num_released += 1
+        for h in plan.hits:
+            if h.entry is not None:
+                self.index.unlock(h.entry)
+            else:
+                self.index.pool.free_blocks(list(reversed(h.blocks)))
+
+    def check_integrity(self) -> None:
+        """Between steps no plan is live: each was released exactly once."""
+        if self._live or self.num_plans != self.num_released:
+            raise RuntimeError(f"{len(self._live)} reuse plans still locked between steps "
+                               f"({self.num_plans} planned, {self.num_released} released)")
 
 
 def too_early_for(entry: SegmentEntry, start: int, reuse: ReuseConfig) -> bool:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 from sparsex.cache.block_hash import hash_segment, token_bytes
 from sparsex.cache.block_pool import BlockPool, KVCacheBlock
+from sparsex.cache.slot_mapping import block_span
+from sparsex.config import SEGMENT_EVICTION
 from sparsex.segment.span_index import SpanIndex
 
 
@@ -46,16 +48,19 @@ class SegmentEntry:
 
 
 class SegmentIndex:
-    def __init__(self, pool: BlockPool, block_size: int, policy: str = "lru", spans: SpanIndex | None = None):
-        if policy not in ("lru", "frequency"):
-            raise ValueError(f"unknown segment eviction policy {policy!r}")
+    def __init__(self, pool: BlockPool, block_size: int, policy: str, spans: SpanIndex | None = None,
+                 spill: Callable[[SegmentEntry], None] | None = None):
+        """`policy`: one of config.SEGMENT_EVICTION (EngineConfig.segment_eviction). `spans`: the
+        span index, to which every entry is a source of transparent reuse. `spill(entry)`: called
+        with each entry about to be evicted, its blocks still readable (kvstore: the host tier)."""
+        if policy not in SEGMENT_EVICTION:
+            raise ValueError(f"segment eviction policy must be one of {SEGMENT_EVICTION}, got {policy!r}")
         self.pool = pool
-        self.spans = spans              # the span index: every entry is a source of transparent reuse
+        self.spans = spans
         self.block_size = block_size
         self.policy = policy
         self.entries: dict[bytes, SegmentEntry] = {}
-        # called with each entry about to be evicted, its blocks still readable (kvstore: host tier)
-        self.on_evict: Callable[[SegmentEntry], None] | None = None
+        self._spill = spill
         self._clock = itertools.count(1)
         self._gdsf_floor = 0.0
         # counters (tokens / entries)
@@ -78,10 +83,12 @@ class SegmentIndex:
             self.record_lookups(len(token_ids), [(entry, len(entry))] if entry is not None else [])
         return entry
 
-    def record_lookups(self, query_tokens: int, hits: list[tuple[SegmentEntry, int]]) -> None:
-        """Count a request's lookups (tokens queried; entries hit, with the tokens each served) and
-        refresh the hit entries."""
+    def record_lookups(self, query_tokens: int, hits: list[tuple[SegmentEntry, int]],
+                       request_hit_tokens: int = 0) -> None:
+        """Count a request's lookups (tokens queried; entries hit, with the tokens each served; tokens
+        served by the KV of earlier requests, which no entry holds) and refresh the hit entries."""
         self.query_tokens += query_tokens
+        self.hit_tokens += request_hit_tokens
         for entry, num_tokens in hits:
             self.hit_tokens += num_tokens
             entry.hits += 1
@@ -98,8 +105,7 @@ class SegmentIndex:
         key = hash_segment(tb, cache_salt)
         if key in self.entries:
             return None
-        first = start_pos // self.block_size
-        last = (start_pos + len(token_ids) - 1) // self.block_size
+        first, last = block_span(start_pos, len(token_ids), self.block_size)
         pinned = list(blocks[first:last + 1])
         if len(pinned) != last - first + 1:
             raise ValueError(f"segment at {start_pos}+{len(token_ids)} needs blocks {first}..{last}, got {len(blocks)}")
@@ -168,8 +174,8 @@ class SegmentIndex:
     def _evict(self, entry: SegmentEntry) -> int:
         """`_remove` as an eviction: counted, and (GDSF) the clock rises to the victim's priority."""
         self.num_evicted += 1
-        if self.on_evict is not None:
-            self.on_evict(entry)
+        if self._spill is not None:
+            self._spill(entry)
         if self.policy == "frequency":
             self._gdsf_floor = max(self._gdsf_floor, entry.priority)
         return self._remove(entry)
@@ -185,8 +191,9 @@ class SegmentIndex:
         return released
 
     def clear(self) -> None:
+        """Drop every unlocked entry (a cache reset: nothing is spilled to a lower tier)."""
         for entry in [e for e in self.entries.values() if e.locks == 0]:
-            self._evict(entry)
+            self._remove(entry)
 
     # ---- accounting -------------------------------------------------------------------------
     def block_refs(self) -> dict[int, int]:
@@ -211,7 +218,6 @@ class SegmentIndex:
             for b in e.blocks:
                 if b.ref_cnt < 1:
                     raise RuntimeError(f"segment entry pins block {b.block_id} whose ref_cnt is {b.ref_cnt}")
-            first = e.start_pos // self.block_size
-            last = (e.start_pos + len(e) - 1) // self.block_size
+            first, last = block_span(e.start_pos, len(e), self.block_size)
             if len(e.blocks) != last - first + 1:
                 raise RuntimeError("segment entry holds the wrong number of blocks")

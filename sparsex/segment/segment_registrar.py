@@ -22,21 +22,30 @@ from __future__ import annotations
 
 import numpy as np
 
+from sparsex.cache.device_kv import DeviceKV
+from sparsex.cache.slot_mapping import block_ids, slot_mapping
 from sparsex.inputs import SegmentSpan
 from sparsex.layers.triton_rerotate import merge_rerotated_all_layers_torch
 from sparsex.request import Request
 from sparsex.segment.reuse_planner import early, too_early_for
 from sparsex.segment.segment_index import SegmentEntry, SegmentIndex
+from sparsex.segment.segment_tiers import SegmentTiers
 
 
 class SegmentRegistrar:
-    def __init__(self, index: SegmentIndex, block_size: int, runner):
+    def __init__(self, index: SegmentIndex, kv: DeviceKV, store: SegmentTiers | None):
         self.index = index
-        self.block_size = block_size
-        # the model runner: its KV caches, pinned uploader and the model's RoPE frequencies (read at
-        # each merge, so a benchmark that swaps the model is followed)
-        self.runner = runner
-        self.store = None         # kvstore.segment_store.SegmentStore: new entries and merges go there too
+        self.kv = kv              # the KV caches merged encodings are written into
+        self.block_size = kv.block_size
+        self.store = store        # new entries and merges go there too (None: no tier below)
+
+    def register_if_prefilled(self, req: Request) -> None:
+        """Once the request's prompt is computed, register its segments (once per request; the one
+        writer of `Request.segments_registered`)."""
+        if req.segments_registered or req.num_computed_tokens < req.num_prompt_tokens:
+            return
+        req.segments_registered = True
+        self.register(req)
 
     def register(self, req: Request) -> None:
         """Index the request's segments that are not in the index yet (KV already in its blocks),
@@ -45,8 +54,8 @@ class SegmentRegistrar:
         reuse = req.reuse
         toks = req.prompt_token_ids
         exact = req.exact_prefix_len is None          # nothing of it was blended
-        end = req.num_prompt_tokens if req.query_horizon is None else min(req.query_horizon, req.num_prompt_tokens)
-        reused = [(s.start, s.end) for s in req.reused_spans]
+        end = req.prompt_end
+        reused = [(s.start, s.end) for s in req.reuse_record.reused_spans]
         fresh = None if exact else fresh_intervals(0, end, reused)     # KV this request computed in full
         handled = []          # segments indexed (or found) whole
         for span in req.segments:
@@ -83,20 +92,15 @@ class SegmentRegistrar:
         bs = self.block_size
         first = entry.start_pos // bs
         rows = np.arange(entry.start_pos, entry.start_pos + span.end - span.start)   # the entry's positions
-
-        def slots(blocks: list, positions: np.ndarray, block0: int) -> np.ndarray:
-            ids = np.fromiter((b.block_id for b in blocks), dtype=np.int64, count=len(blocks))
-            return ids[positions // bs - block0] * bs + positions % bs
-
-        src = slots(req.blocks, np.arange(span.start, span.end), 0)
-        mean = slots(entry.blocks, rows, first)          # read before copy-on-write replaces the blocks
+        src = slot_mapping(block_ids(req.blocks), np.arange(span.start, span.end), bs)
+        mean = slot_mapping(block_ids(entry.blocks), rows, bs, first)   # read before copy-on-write replaces the blocks
 
         def fold(dst_blocks: list) -> None:
-            # one pinned upload, as the step's inputs: a pageable one would wait for the forward
-            src_t, mean_t, dst_t, delta_t = self.runner.uploader.upload(
-                [src, mean, slots(dst_blocks, rows, first), np.full_like(src, entry.start_pos - span.start)])
-            merge_rerotated_all_layers_torch(self.runner.kv_caches, src_t, mean_t, dst_t, delta_t,
-                                             self.runner.model.layer_inv_freqs(), 1.0 / (entry.num_encodings + 1))
+            src_t, mean_t, dst_t, delta_t = self.kv.upload(
+                [src, mean, slot_mapping(block_ids(dst_blocks), rows, bs, first),
+                 np.full_like(src, entry.start_pos - span.start)])
+            merge_rerotated_all_layers_torch(self.kv.kv_caches, src_t, mean_t, dst_t, delta_t,
+                                             self.kv.layer_inv_freqs(), 1.0 / (entry.num_encodings + 1))
 
         if self.index.owns_blocks(entry):
             fold(entry.blocks)

@@ -362,7 +362,7 @@ class SpanIndex:
 
 def merged(source: SpanSource) -> bool:
     """A segment entry whose KV is the mean of several encodings: nearer a new context than any one
-    encoding (docs/benchmarks.md, merged encodings), so preferred to a longer single-encoding run."""
+    encoding (docs/benchmarks/defaults.md, merged encodings), so preferred to a longer single-encoding run."""
     return source.entry is not None and source.entry.num_encodings > 1
 
 

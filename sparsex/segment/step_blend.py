@@ -42,12 +42,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from sparsex.cache.slot_mapping import block_ids, slot_mapping
 from sparsex.config import ReuseConfig
 from sparsex.layers import triton_probe
 from sparsex.layers.forward_context import ForwardContext
 from sparsex.layers.triton_rerotate import LayerPointers, copy_and_rerotate_all_layers_torch, copy_and_rerotate_layers
 from sparsex.request import Request
 from sparsex.segment import selectors
+from sparsex.segment.reuse_plan import ReusePlan
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,7 @@ class StepBlend:
                 continue
             req = s.request
             row0, pos0 = cu[si], req.num_computed_tokens
-            table = np.fromiter((b.block_id for b in req.blocks), dtype=np.int64, count=len(req.blocks))
+            table = block_ids(req.blocks)
             # every reused row of every hit at once (vectorised over hits: 64 passages at 32k tokens
             # made a per-hit loop of small numpy calls a few ms of host time)
             starts = np.array([h.start for h in plan.hits], dtype=np.int64)       # new positions
@@ -184,12 +186,13 @@ class StepBlend:
             seg = np.repeat(np.arange(len(lens)), lens)                                  # [R] hit of each row
             offs = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)   # [R] offset in its hit
             rp, ep = starts[seg] + offs, old[seg] + offs
-            entry_blocks = [h.blocks for h in plan.hits]            # blocks[0] holds block start_pos // bs
-            eb = np.fromiter((b.block_id for blocks in entry_blocks for b in blocks), dtype=np.int64,
-                             count=sum(map(len, entry_blocks)))
+            # the hits' blocks as one table; hit i's run starts at eb0[i] and holds its start_pos's
+            # block (old // bs) first
+            entry_blocks = [h.blocks for h in plan.hits]
+            eb = block_ids([b for blocks in entry_blocks for b in blocks])
             eb0 = np.cumsum([len(x) for x in entry_blocks]) - np.array([len(x) for x in entry_blocks])
-            src = eb[eb0[seg] + ep // bs - old[seg] // bs] * bs + ep % bs
-            dst = table[rp // bs] * bs + rp % bs
+            src = slot_mapping(eb, ep, bs, first_block=old[seg] // bs - eb0[seg])
+            dst = slot_mapping(table, rp, bs)
             query_rows = self._query_rows(req, rp, pos0, row0, cu[si + 1] - cu[si])
             per_seq.append((si, plan, lens.tolist(),
                             np.stack([src, dst, (starts - old)[seg], rp - pos0 + row0, rp, offs]),

@@ -1,0 +1,25 @@
+"""The KV cache tensors, as the parts that write KV outside a forward see them (the segment
+registrar's merged encodings, the segment store's spill, publish and install)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class DeviceKV:
+    # per layer (key cache, value cache), each [num_blocks, block_size, num_kv_heads, head_dim]
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    block_size: int
+    device: torch.device
+    dtype: torch.dtype
+    bytes_per_token: int          # one token's K and V over every layer
+    # host arrays -> device tensors in one pinned, asynchronous copy (as the step's inputs: a pageable
+    # copy would wait for the forward in flight)
+    upload: Callable[[list[np.ndarray]], list[torch.Tensor]]
+    # per layer [rotary_dim / 2] float32 RoPE frequencies; read at each use, so a benchmark that swaps
+    # the runner's model is followed
+    layer_inv_freqs: Callable[[], list[torch.Tensor]]
