@@ -90,27 +90,27 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 class ReuseConfig:
     """Segment-reuse knobs: the engine's defaults, each overridable per request (`reuse=`).
 
-    Measurements behind the defaults: docs/benchmarks.md (the section named in each comment)."""
+    Measurements behind the defaults: docs/benchmarks/defaults.md (the section named in each comment)."""
     full_layers: int = knob(2, "layers 0..full_layers-1 recompute every token of a reused segment", ge=0)
     # 0.125 with sparse_q's two stages costs what one stage at 0.15 costs, at lower KL
-    # (docs/benchmarks.md, two-stage selection)
+    # (docs/benchmarks/defaults.md, two-stage selection)
     recompute_ratio: float = knob(0.125, "share of reused tokens recomputed in the sparse layers "
                                          "(past full_layers)", ge=0.0, le=1.0)
     selector: str = knob("sparse_q", "how the tokens to recompute are chosen", choices=SELECTORS)
     boundary_tokens: int = knob(0, "also recompute the first k tokens of each reused segment", advanced=True, ge=0)
     # 0.25 measured below 0.5 and 0 on SmolLM2 and Qwen2.5-Coder rag at equal compute
-    # (docs/benchmarks.md, boundary share)
+    # (docs/benchmarks/defaults.md, boundary share)
     boundary_share: float = knob(0.25, "share of sparse_q's budget spent on the first tokens of each reused "
                                        "segment (split evenly); the rest goes by score", advanced=True, ge=0.0, le=1.0)
     min_segment_tokens: int = knob(16, "segments shorter than this are not indexed (too short to be worth it)",
                                    advanced=True, ge=1)
     # a segment computed right after the prompt's start carries that start's attention-sink shape in its
-    # keys (docs/benchmarks.md, early encodings)
+    # keys (docs/benchmarks/defaults.md, early encodings)
     min_context_tokens: int = knob(128, "a segment whose KV was computed starting before this position is "
                                         "reused only before it too; elsewhere it is recomputed and its index "
                                         "entry replaced by that encoding. 0 = reuse every entry anywhere",
                                    advanced=True, ge=0)
-    # blending a few short pieces saves little work and costs fidelity (docs/benchmarks.md, min_blend_tokens)
+    # blending a few short pieces saves little work and costs fidelity (docs/benchmarks/defaults.md, min_blend_tokens)
     min_blend_tokens: int = knob(256, "a request blends only when its segment hits add up to at least this many "
                                       "tokens; below it they are recomputed and the request is served exact. "
                                       "0 = always blend", advanced=True, ge=0)
@@ -119,7 +119,7 @@ class ReuseConfig:
                                      "(slower, closer to full prefill)", advanced=True)
     # two-stage selection: the first selection (layer full_layers-1) keeps candidate_ratio of the reused
     # tokens; they run rescore_layers more layers, where a second probe scores them again from fresher,
-    # deeper K/V and keeps recompute_ratio for the remaining layers (docs/benchmarks.md, two-stage selection)
+    # deeper K/V and keeps recompute_ratio for the remaining layers (docs/benchmarks/defaults.md, two-stage selection)
     rescore_layers: int | None = knob(None, "two-stage selection: the first selection's candidates run this many "
                                             "more layers, then are scored again. 0 = one stage; unset = "
                                             f"{AUTO_RESCORE_LAYERS} for sparse_q, one stage otherwise",
@@ -127,7 +127,7 @@ class ReuseConfig:
     candidate_ratio: float = knob(0.5, "two-stage selection: share of reused tokens the first selection keeps",
                                   advanced=True, ge=0.0, le=1.0)
     # a mean over contexts is nearer any new context than one encoding: on rag it lowers the default's
-    # KL by about a third with three encodings (docs/benchmarks.md, merged encodings)
+    # KL by about a third with three encodings (docs/benchmarks/defaults.md, merged encodings)
     merge_encodings: int = knob(4, "when a request computes a segment the index already holds exactly (no "
                                    "blend), the entry becomes the mean of up to this many encodings. "
                                    "1 = keep the first", advanced=True, ge=1)

@@ -114,7 +114,7 @@ def test_true_indices_equals_nonzero(n, p):
 
 
 def test_default_boundary_share_is_a_quarter_of_the_budget():
-    """The engine default spends 25% of sparse_q's budget on segment starts (docs/benchmarks.md)."""
+    """The engine default spends 25% of sparse_q's budget on segment starts (docs/benchmarks/defaults.md)."""
     reuse = ReuseConfig(full_layers=2, recompute_ratio=0.15, selector="sparse_q")
     assert reuse.boundary_share == 0.25
     b = _blend([200, 200], reuse, seed=3)

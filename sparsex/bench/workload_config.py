@@ -65,7 +65,7 @@ class WorkloadBenchConfig:
     prewarm: bool | None = None
     # rag prewarm: ingest the corpus this many times, each pass after the first in another random
     # grouping and order, sent with reuse blend=False so the engine merges each passage's encodings
-    # (ReuseConfig.merge_encodings; docs/benchmarks.md: one, two and three encodings per passage)
+    # (ReuseConfig.merge_encodings; docs/benchmarks/defaults.md: one, two and three encodings per passage)
     prewarm_passes: int = 3
     out: str = "workload_bench_out"
     plot_dir: str | None = None          # PNG plots here (matplotlib); None: no plots

@@ -87,7 +87,7 @@ def tokenized_workload(engines: EngineCache, make: Callable[[Any], list[Request]
         # rag: segments = [system head, k passages, question]. Every distinct passage once, k to a prompt
         # in first-use order, so each one's KV is computed after other passages, as in a query: KV of a
         # passage encoded alone after the system head was measured to make every reuse policy far worse
-        # (docs/benchmarks.md, "steady state"). Each ingestion prompt opens with a preamble, a passage
+        # (docs/benchmarks/defaults.md, early encodings). Each ingestion prompt opens with a preamble, a passage
         # from outside the workload's corpus, so that no passage is computed right after the head
         # (the engine would not reuse such an early encoding later in a prompt: min_context_tokens)
         passages = list(dict.fromkeys(p for r in requests for p in r.segments[1:-1]))

@@ -5,7 +5,7 @@
 in the given order, passes 2..N regrouped in seeded shuffles and sent with `reuse={"blend": False}`,
 so each segment is computed exactly in another context and its index entry becomes the mean of its
 encodings (ReuseConfig.merge_encodings). A mean over contexts is nearer any new context than one
-encoding (docs/benchmarks.md, merged encodings). Every prompt generates one token: only its KV matters.
+encoding (docs/benchmarks/defaults.md, merged encodings). Every prompt generates one token: only its KV matters.
 """
 from __future__ import annotations
 
