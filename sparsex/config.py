@@ -277,6 +277,7 @@ class EngineConfig:
     # start-up requests compile kernels and capture graphs (sparsex/engine/warmup.py)
     warmup: bool | None = knob(None, "run a few small requests at start-up so the first real one compiles "
                                      "nothing; unset = on for CUDA, off for the CPU")
+    enforce_eager: bool = knob(False, "run decode steps eagerly on CUDA: they replay CUDA graphs unless set")
     cache_dir: str | None = knob(None, "where converted models are cached (unset = $SPARSEX_CACHE_DIR or the "
                                        "user cache)")
     segment_eviction: str = knob("frequency", "which segment-index entries go first when the KV pool is full: "

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import sparsex.entrypoints.llm as llm_module
 from sparsex import LLM, cli
 from sparsex.config import (EngineConfig, ReuseConfig, engine_knob_names, knob_field, knob_meta, knob_rule, knob_type,
                             reuse_knob_names)
@@ -186,6 +187,19 @@ def test_a_value_of_the_wrong_type_is_refused():
         EngineConfig(dtype="bf17")
     assert EngineConfig(dtype=torch.float16).torch_dtype == torch.float16
     assert ReuseConfig(rescore_layers=None, recompute_ratio=1).verify() is None      # an int is a number
+
+
+def test_enforce_eager_is_a_knob_of_the_cli_and_of_llm(monkeypatch):
+    f = knob_field(EngineConfig, "enforce_eager")
+    assert f.default is False and knob_type(EngineConfig, f) is bool and "CUDA graphs" in knob_meta(f)["help"]
+    for argv in (["serve"], ["generate", "x"]):
+        assert engine_config(cli.build_parser().parse_args(argv)).enforce_eager is False
+        assert engine_config(cli.build_parser().parse_args([*argv, "--enforce-eager"])).enforce_eager is True
+    # LLM(...) takes it as a keyword and hands it to the engine in its config (a stub engine: no model)
+    monkeypatch.setattr(llm_module, "LLMEngine", lambda config: config)
+    assert LLM(enforce_eager=True).llm_engine.enforce_eager is True
+    with pytest.raises(ValueError, match="enforce_eager must be a bool, got 'yes'"):
+        LLM(enforce_eager="yes")
 
 
 def test_unknown_knob_is_a_type_error_listing_valid_ones():

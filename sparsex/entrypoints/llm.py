@@ -24,7 +24,7 @@ class LLM:
 
       cache: "sparsex" (prefix caching + segment reuse, default) | "prefix" (exact prefix caching) | "none"
       dtype: "auto" (bfloat16 where it runs natively, else float32) | "float32" | "bfloat16" | "float16"
-      device: "cpu" | "cuda" | "cuda:N";   seed
+      device: "cpu" | "cuda" | "cuda:N";   seed;   enforce_eager (CUDA: decode without graph replay)
       memory and length: num_blocks or kv_cache_memory (bytes), max_model_len, max_num_seqs,
           max_num_batched_tokens
       segment reuse: recompute_ratio, full_layers, selector
