@@ -166,7 +166,7 @@ def ingest(llm: LLM, system: str, passages: list[Passage], lead: Passage, seed: 
     only at an early position."""
     if not llm.llm_engine.config.enable_prefix_caching:      # cache="none" keeps nothing
         return 0
-    result = llm.ingest([p.text for p in passages], prefix=system + lead.text, passes=3, group_size=4,
+    result = llm.ingest([p.text for p in passages], prefix=system + lead.text, group_size=4,
                         seed=seed, use_tqdm=False)
     return result.num_prompts
 

@@ -17,7 +17,8 @@ from sparsex import LLM, cli
 from sparsex.config import (EngineConfig, ReuseConfig, engine_knob_names, knob_field, knob_meta, knob_rule, knob_type,
                             reuse_knob_names)
 from sparsex.demo import DemoConfig
-from sparsex.entrypoints.protocol import ReuseOptions
+from sparsex.entrypoints.ingest import IngestParams
+from sparsex.entrypoints.protocol import IngestRequest, ReuseOptions
 from sparsex.entrypoints.serve_cli import ADVANCED_GROUP, engine_config, engine_knobs, flag_name
 
 pytestmark = pytest.mark.unit
@@ -111,14 +112,14 @@ def test_advanced_knobs_are_grouped():
 
 
 # every knob with declared bounds or choices, wherever it is declared
-BOUNDED = [(cls, f.name) for cls in (EngineConfig, ReuseConfig) for f in dataclasses.fields(cls)
+BOUNDED = [(cls, f.name) for cls in (EngineConfig, ReuseConfig, IngestParams) for f in dataclasses.fields(cls)
            if any(knob_meta(f)[k] is not None for k in ("choices", "ge", "le"))]
 # rules between knobs that a value at a bound meets on its own: probe selectors need a full layer
 COMPANIONS = {"full_layers": {"selector": "random"}}
 
 
 def _build(cls: type, **knobs) -> None:
-    """Construct and validate (ReuseConfig validates in verify(), EngineConfig when built)."""
+    """Construct and validate (ReuseConfig validates in verify(), the others when built)."""
     if cls is ReuseConfig:
         ReuseConfig(**knobs).verify()
     else:
@@ -144,7 +145,7 @@ def _at_bounds(cls: type, name: str) -> list:
 def test_bounded_knobs_are_found():
     names = {n for _, n in BOUNDED}
     assert {"cache", "block_size", "segment_eviction", "segment_store_fetch", "recompute_ratio", "selector",
-            "rescore_layers"} <= names
+            "rescore_layers", "passes", "group_size"} <= names
     assert not {"model", "device", "seed", "approx_prefix"} & names
 
 
@@ -160,6 +161,10 @@ def test_a_value_outside_a_declared_bound_or_choice_is_refused_naming_it(cls, na
         assert message.startswith(f"{name} must be ") and message.endswith(f"got {bad!r}"), message
         assert knob_rule(cls, knob_field(cls, name)) in message
         assert all(a in message for a in allowed), message
+        if cls is IngestParams:
+            with pytest.raises(Exception, match=name):
+                IngestRequest(segments=["a"], **{name: bad})
+            continue
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(["serve", flag_name(name), str(bad)])
         if cls is ReuseConfig and meta["choices"] is None:       # the request body declares bounds only
@@ -173,6 +178,9 @@ def test_a_value_at_a_declared_bound_or_choice_is_accepted(cls, name):
     for ok in _at_bounds(cls, name):
         ok = int(ok) if integer else ok
         _build(cls, **{name: ok}, **COMPANIONS.get(name, {}))
+        if cls is IngestParams:
+            assert getattr(IngestRequest(segments=["a"], **{name: ok}), name) == ok
+            continue
         assert getattr(cli.build_parser().parse_args(["serve", flag_name(name), str(ok)]), name) == ok
 
 
@@ -200,6 +208,12 @@ def test_enforce_eager_is_a_knob_of_the_cli_and_of_llm(monkeypatch):
     assert LLM(enforce_eager=True).llm_engine.enforce_eager is True
     with pytest.raises(ValueError, match="enforce_eager must be a bool, got 'yes'"):
         LLM(enforce_eager="yes")
+
+
+def test_ingest_defaults_are_declared_once():
+    params = inspect.signature(LLM.ingest).parameters
+    for f in dataclasses.fields(IngestParams):
+        assert params[f.name].default == f.default == IngestRequest.model_fields[f.name].default
 
 
 def test_unknown_knob_is_a_type_error_listing_valid_ones():
