@@ -80,7 +80,18 @@ def test_defaults_agree():
         assert {n: getattr(cfg, n) for n in engine_knob_names()} == {n: getattr(engine, n) for n in engine_knob_names()}
         assert cfg.reuse == reuse
     demo = cli.build_parser().parse_args(["demo"])
-    assert (demo.cache, demo.dtype) == (engine.cache, engine.dtype) == (DemoConfig.cache, DemoConfig.dtype)
+    assert (demo.model, demo.cache, demo.dtype, demo.seed) == (engine.model, engine.cache, engine.dtype, engine.seed) \
+        == (DemoConfig.model, DemoConfig.cache, DemoConfig.dtype, DemoConfig.seed)
+    for bench in ("throughput", "prefill"):
+        args = cli.build_parser().parse_args(["bench", bench])
+        assert (args.model, args.dtype) == (engine.model, engine.dtype)
+
+
+@pytest.mark.parametrize("argv", [["demo", "--dtype", "fp8"], ["demo", "--cache", "lru"], ["demo", "--seed", "x"],
+                                  ["bench", "throughput", "--dtype", "fp8"], ["bench", "prefill", "--dtype", "fp8"]])
+def test_demo_and_bench_flags_are_the_engine_declarations(argv):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(argv)
 
 
 def test_flags_reach_the_config():
