@@ -1,7 +1,7 @@
 """The `sparsex` command line.
 
     sparsex generate PROMPT [--model M] [--max-tokens N] [--temperature T] [--chat] [every engine flag]
-    sparsex demo [--model M] [--cache C] [--dtype D] [--quick] [--no-compare]
+    sparsex demo [--model M] [--cache C] [--dtype D] [--seed N] [--quick] [--no-compare]
     sparsex bench throughput [--num-prompts N] [--input-len N] [--output-len N] [--repeats N] [--dtype D]
     sparsex bench prefill [--lengths 512,1024,...] [--repeats N] [--plot PATH]
     sparsex bench serve --base-url URL ...
@@ -12,8 +12,9 @@
     sparsex serve [MODEL] [every engine flag] [server flags]
 
 Engine flags (`--cache`, `--dtype`, `--recompute-ratio`, ...) come from EngineConfig / ReuseConfig
-(serve_cli.add_engine_args), so `generate`, `serve` and `LLM(...)` share their names and defaults:
-docs/configuration.md. Every subcommand takes --threads N (torch intra-op threads). Bad arguments
+(serve_cli.add_engine_args, add_knob_arg), so `generate`, `serve`, `LLM(...)`, `demo`'s `--model`,
+`--cache`, `--dtype`, `--seed` and `bench`'s `--model`, `--dtype` share their names, defaults and
+checks: docs/configuration.md. Every subcommand takes --threads N (torch intra-op threads). Bad arguments
 and engine ValueErrors exit with status 2 and a one-line message, never a traceback.
 """
 from __future__ import annotations
@@ -27,10 +28,9 @@ from sparsex.bench.replica_bench import add_replica_bench_parser
 from sparsex.bench.serve_bench import add_serve_bench_parser
 from sparsex.bench.store_bench import add_store_bench_parser
 from sparsex.bench.workload_bench import add_workload_bench_parser
-from sparsex.config import CACHE_MODES, DTYPES, EngineConfig
-from sparsex.entrypoints.serve_cli import add_engine_args, add_serve_parser, engine_knobs
+from sparsex.config import EngineConfig, parse_dtype
+from sparsex.entrypoints.serve_cli import add_engine_args, add_knob_arg, add_serve_parser, engine_knobs
 
-DEFAULT_MODEL = EngineConfig.model
 EXIT_USAGE = 2
 
 
@@ -69,8 +69,7 @@ def length_list(text: str) -> tuple[int, ...]:
 def _common() -> argparse.ArgumentParser:
     """Options every subcommand shares (argparse `parents=`)."""
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"model name, .gguf file, HF model directory or dummy:<shape> (default {DEFAULT_MODEL})")
+    add_knob_arg(p, EngineConfig, "model")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch intra-op threads (default: torch's choice, one per core). On a machine shared "
                         "with other busy processes, 1 is often much faster than oversubscribing the cores")
@@ -95,13 +94,11 @@ def _add_demo(sub, common: argparse.ArgumentParser) -> None:
                        description="Ingest a few Wikipedia passages, then ask questions over them in new orders: "
                                    "per question the tokens served from cache and recomputed, TTFT with reuse "
                                    "against full prefill (cache=none), and whether the answers match.")
-    p.add_argument("--cache", choices=CACHE_MODES, default=EngineConfig.cache)
-    p.add_argument("--dtype", choices=DTYPES, default=EngineConfig.dtype,
-                   help="auto (default): bfloat16 where it runs natively, else float32")
+    for name in ("cache", "dtype", "seed"):
+        add_knob_arg(p, EngineConfig, name)
     p.add_argument("--max-tokens", type=positive_int, default=24)
     p.add_argument("--quick", action="store_true", help="2 questions over 4 passages (a smoke test)")
     p.add_argument("--no-compare", action="store_true", help="skip the cache=none rerun")
-    p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_run_demo)
 
 
@@ -118,7 +115,7 @@ def _add_bench(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=positive_int, default=128)
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="alternating runs per backend; the median is reported (default 1)")
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    add_knob_arg(p, EngineConfig, "dtype")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.set_defaults(func=_run_bench_throughput)
@@ -129,7 +126,7 @@ def _add_bench(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", type=length_list, default=(512, 1024, 2048, 4096),
                    help="comma-separated prompt lengths (default 512,1024,2048,4096)")
     p.add_argument("--repeats", type=positive_int, default=3)
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    add_knob_arg(p, EngineConfig, "dtype")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--no-hf-all-logits", action="store_true",
@@ -219,12 +216,17 @@ def _run_demo(args: argparse.Namespace) -> int:
                                quick=args.quick, compare=not args.no_compare, seed=args.seed))
 
 
+def _dtype_name(dtype: str) -> str:
+    """What a --dtype resolves to on this CPU ("auto" -> "bfloat16" or "float32")."""
+    return str(parse_dtype(dtype)).removeprefix("torch.")
+
+
 def _bench_header(args: argparse.Namespace) -> None:
     import os
 
     import torch
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"model={args.model} dtype={args.dtype} threads={torch.get_num_threads()} "
+    print(f"model={args.model} dtype={_dtype_name(args.dtype)} threads={torch.get_num_threads()} "
           f"cores={os.cpu_count()} load1={load:.2f}", flush=True)
 
 
@@ -257,7 +259,7 @@ def _run_bench_prefill(args: argparse.Namespace) -> int:
     print(format_table(points))
     if args.plot:
         # the load average goes in the title: on a shared machine it explains the absolute numbers
-        title = (f"cold prefill, {args.model} {args.dtype}, median of {args.repeats}\n"
+        title = (f"cold prefill, {args.model} {_dtype_name(args.dtype)}, median of {args.repeats}\n"
                  f"{torch.get_num_threads()} threads, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
         save_plot(points, args.plot, title)
         print(f"plot: {args.plot}")

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import numbers
 import re
 import types
 import typing
@@ -10,12 +12,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+# Each choice list, declared once: for the knobs' `choices` and for every component that takes such
+# a value (the segment index's eviction policy, the shared store's fetch policy, ...).
 CACHE_MODES = ("none", "prefix", "sparsex")
 SELECTORS = ("sparse_q", "kv_deviation", "boundary", "random", "none", "all")
 PROBE_SELECTORS = ("kv_deviation", "sparse_q")     # score tokens with a probe on a full layer
 AUTO_RESCORE_LAYERS = 2     # sparse_q's second probe, this many layers below its first (ReuseConfig.resolved)
-DTYPES = ("auto", "float32", "bfloat16", "float16")    # what the CLI offers; parse_dtype also takes fp32, ...
+DTYPES = ("auto", "float32", "bfloat16", "float16")    # EngineConfig.dtype's names; parse_dtype also reads fp32, ...
 SEGMENT_EVICTION = ("frequency", "lru")
+STORE_FETCH_MODES = ("auto", "always", "never")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -47,18 +52,21 @@ def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 _NOT_IN_KV_KEY = ("approx_prefix", "merge_encodings", "blend", "transparent_segments")
 
 
-STORE_FETCH_MODES = ("auto", "always", "never")
-
-
 def knob(default: Any, help: str, *, advanced: bool = False, choices: Sequence[Any] | None = None,
          ge: float | None = None, le: float | None = None, parse: Callable[[str], Any] | None = None) -> Any:
-    """A config field with what the CLI, the HTTP schema and docs/configuration.md derive from it:
-    `help` (one line for --help), `advanced` (listed under "advanced segment reuse"), `choices`,
-    inclusive bounds `ge` / `le` (CLI argument check and HTTP schema; `verify` / `__post_init__`
-    stay the authority, including cross-field rules) and `parse` (the CLI's string -> value)."""
+    """A config field with what validation, the CLI, the HTTP schema and docs/configuration.md derive
+    from it: `help` (one line for --help), `advanced` (listed under "advanced segment reuse"),
+    `choices`, inclusive bounds `ge` / `le` (checked by `check_knob` wherever the value comes from;
+    `verify` / `__post_init__` add only what no single field declares, such as cross-field rules)
+    and `parse` (the CLI's string -> value)."""
     meta = {"help": help, "advanced": advanced, "choices": tuple(choices) if choices else None,
             "ge": ge, "le": le, "parse": parse}
     return dataclasses.field(default=default, metadata=meta)
+
+
+def knob_field(cls: type, name: str) -> dataclasses.Field:
+    """The field `name` of config dataclass `cls`."""
+    return next(f for f in dataclasses.fields(cls) if f.name == name)
 
 
 def knob_meta(f: dataclasses.Field) -> dict[str, Any]:
@@ -67,12 +75,81 @@ def knob_meta(f: dataclasses.Field) -> dict[str, Any]:
     return {**base, **dict(f.metadata)}
 
 
+@functools.cache
+def _annotations(cls: type) -> dict[str, tuple[tuple[type, ...], bool]]:
+    """Per field of `cls`: the members of its annotation's union other than `None` (in order; one
+    member if it is no union), and whether `None` is allowed."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        out[name] = (tuple(m for m in members if m is not type(None)), type(None) in members)
+    return out
+
+
 def knob_type(cls: type, f: dataclasses.Field) -> type:
     """The value type of a field: its annotation without `None` (first member of any other union)."""
-    hint = typing.get_type_hints(cls)[f.name]
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    return hint
+    return _annotations(cls)[f.name][0][0]
+
+
+def _is_a(value: Any, kind: type) -> bool:
+    """isinstance, where a bool is no number and an int is a float (as in a dataclass annotation)."""
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind in (int, float):
+        number = numbers.Integral if kind is int else numbers.Real
+        return isinstance(value, number) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+_KIND_NAMES = {bool: "a bool", int: "an integer", float: "a number", str: "a string"}
+
+
+def knob_rule(cls: type, f: dataclasses.Field) -> str:
+    """What a knob accepts, in the words its ValueError uses: "an integer >= 1", "a number in
+    [0.0, 1.0]", "one of ('lru', 'frequency')", "a bool or None", ..."""
+    meta = knob_meta(f)
+    (kind, *others), optional = _annotations(cls)[f.name]
+    if meta["choices"] is not None:
+        rule = f"one of {meta['choices']}"
+    else:
+        rule = _KIND_NAMES.get(kind, f"a {kind.__name__}")
+        if meta["ge"] is not None and meta["le"] is not None:
+            rule += f" in [{meta['ge']}, {meta['le']}]"
+        elif meta["ge"] is not None:
+            rule += f" >= {meta['ge']}"
+        elif meta["le"] is not None:
+            rule += f" <= {meta['le']}"
+    rule += "".join(f" or a {m.__module__}.{m.__qualname__}" for m in others)
+    return rule + (" or None" if optional else "")
+
+
+def check_knob(cls: type, f: dataclasses.Field, value: Any) -> None:
+    """`value` against the field's declaration: its type, then its `choices` or `ge` / `le` bounds
+    (another member of the annotation's union, like dtype's torch.dtype, is checked by type only).
+    ValueError naming the field, the value and what is allowed. A field with none of these declared
+    and no bool type (a model name, a path) is left to its own checks."""
+    meta = knob_meta(f)
+    (kind, *others), optional = _annotations(cls)[f.name]
+    if meta["choices"] is None and meta["ge"] is None and meta["le"] is None and kind is not bool:
+        return
+    if (value is None and optional) or any(_is_a(value, m) for m in others):
+        return
+    ok = _is_a(value, kind)
+    if ok and meta["choices"] is not None:
+        ok = value in meta["choices"]
+    if ok and meta["ge"] is not None:
+        ok = value >= meta["ge"]            # False for nan: outside every bound
+    if ok and meta["le"] is not None:
+        ok = value <= meta["le"]
+    if not ok:
+        raise ValueError(f"{f.name} must be {knob_rule(cls, f)}, got {value!r}")
+
+
+def check_knobs(config: Any) -> None:
+    """Every knob of a config dataclass against its declaration (`check_knob`), in field order."""
+    for f in dataclasses.fields(config):
+        if not f.metadata.get("nested"):
+            check_knob(type(config), f, getattr(config, f.name))
 
 
 def parse_bytes(text: str) -> int:
@@ -139,38 +216,13 @@ class ReuseConfig:
                        advanced=True)
 
     def verify(self, num_layers: int | None = None) -> None:
-        if self.selector not in SELECTORS:
-            raise ValueError(f"unknown selector {self.selector!r}; choose one of {SELECTORS}")
-        if not isinstance(self.full_layers, int) or self.full_layers < 0:
-            raise ValueError(f"full_layers must be an integer >= 0, got {self.full_layers!r}")
+        """Each knob against its declaration (`check_knobs`), then the rules between knobs and the
+        model's depth."""
+        check_knobs(self)
         if num_layers is not None and self.full_layers > num_layers:
             raise ValueError(f"full_layers={self.full_layers} exceeds the model's {num_layers} layers")
-        if not isinstance(self.recompute_ratio, (int, float)) or not 0.0 <= self.recompute_ratio <= 1.0:
-            raise ValueError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio!r}")
-        if not isinstance(self.boundary_tokens, int) or self.boundary_tokens < 0:
-            raise ValueError(f"boundary_tokens must be an integer >= 0, got {self.boundary_tokens!r}")
-        if not isinstance(self.boundary_share, (int, float)) or not 0.0 <= self.boundary_share <= 1.0:
-            raise ValueError(f"boundary_share must be in [0, 1], got {self.boundary_share!r}")
-        if not isinstance(self.min_segment_tokens, int) or self.min_segment_tokens < 1:
-            raise ValueError(f"min_segment_tokens must be an integer >= 1, got {self.min_segment_tokens!r}")
-        if not isinstance(self.min_context_tokens, int) or self.min_context_tokens < 0:
-            raise ValueError(f"min_context_tokens must be an integer >= 0, got {self.min_context_tokens!r}")
-        if not isinstance(self.min_blend_tokens, int) or self.min_blend_tokens < 0:
-            raise ValueError(f"min_blend_tokens must be an integer >= 0, got {self.min_blend_tokens!r}")
-        if not isinstance(self.approx_prefix, bool):
-            raise ValueError(f"approx_prefix must be a bool, got {self.approx_prefix!r}")
-        if not isinstance(self.merge_encodings, int) or isinstance(self.merge_encodings, bool) or self.merge_encodings < 1:
-            raise ValueError(f"merge_encodings must be an integer >= 1, got {self.merge_encodings!r}")
-        if not isinstance(self.transparent_segments, bool):
-            raise ValueError(f"transparent_segments must be a bool, got {self.transparent_segments!r}")
-        if not isinstance(self.blend, bool):
-            raise ValueError(f"blend must be a bool, got {self.blend!r}")
         if self.selector in PROBE_SELECTORS and self.full_layers < 1:
             raise ValueError(f"selector {self.selector!r} scores tokens with a full layer: full_layers must be >= 1")
-        if self.rescore_layers is not None and (not isinstance(self.rescore_layers, int) or self.rescore_layers < 0):
-            raise ValueError(f"rescore_layers must be an integer >= 0 or None (auto), got {self.rescore_layers!r}")
-        if not isinstance(self.candidate_ratio, (int, float)) or not 0.0 <= self.candidate_ratio <= 1.0:
-            raise ValueError(f"candidate_ratio must be in [0, 1], got {self.candidate_ratio!r}")
         if self.rescore_layers:
             if self.selector not in PROBE_SELECTORS:
                 raise ValueError(f"rescore_layers needs a probe selector {PROBE_SELECTORS}, not {self.selector!r}")
@@ -225,6 +277,7 @@ class EngineConfig:
     # start-up requests compile kernels and capture graphs (sparsex/engine/warmup.py)
     warmup: bool | None = knob(None, "run a few small requests at start-up so the first real one compiles "
                                      "nothing; unset = on for CUDA, off for the CPU")
+    enforce_eager: bool = knob(False, "run decode steps eagerly on CUDA: they replay CUDA graphs unless set")
     cache_dir: str | None = knob(None, "where converted models are cached (unset = $SPARSEX_CACHE_DIR or the "
                                        "user cache)")
     segment_eviction: str = knob("frequency", "which segment-index entries go first when the KV pool is full: "
@@ -255,25 +308,11 @@ class EngineConfig:
         return cls(**{k: v for k, v in knobs.items() if k in engine}, reuse=dataclasses.replace(base, **flat))
 
     def __post_init__(self) -> None:
-        self.torch_dtype = parse_dtype(self.dtype, self.device)
         if self.reuse is None:
             self.reuse = ReuseConfig()
-        if self.cache not in CACHE_MODES:
-            raise ValueError(f"unknown cache mode {self.cache!r}; choose one of {CACHE_MODES}")
-        if self.block_size not in BLOCK_SIZES:
-            raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {self.block_size!r}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks!r}")
-        if self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory!r}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
-        if self.segment_eviction not in SEGMENT_EVICTION:
-            raise ValueError(f"segment_eviction must be 'lru' or 'frequency', got {self.segment_eviction!r}")
+        check_knobs(self)
+        self.torch_dtype = parse_dtype(self.dtype, self.device)
+        # what no field's bounds or choices express: formats, and rules between fields
         verify_device(self.device)
         if self.segment_store is not None:
             if not isinstance(self.segment_store, str) or not self.segment_store.startswith(("redis://", "rediss://")):
@@ -281,12 +320,6 @@ class EngineConfig:
         if (self.segment_store is not None or self.host_kv_cache_memory) and self.cache != "sparsex":
             raise ValueError(f"segment_store / host_kv_cache_memory hold segment entries: they need cache='sparsex', "
                              f"got cache={self.cache!r}")
-        if not isinstance(self.host_kv_cache_memory, int) or self.host_kv_cache_memory < 0:
-            raise ValueError(f"host_kv_cache_memory must be >= 0 bytes, got {self.host_kv_cache_memory!r}")
-        if self.segment_store_fetch not in STORE_FETCH_MODES:
-            raise ValueError(f"segment_store_fetch must be one of {STORE_FETCH_MODES}, got {self.segment_store_fetch!r}")
-        if self.warmup not in (None, True, False):
-            raise ValueError(f"warmup must be True, False or None (on for CUDA), got {self.warmup!r}")
         self.reuse.verify()
 
     @property

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from sparsex.bench.datasets import WikiEntry, load_wiki_entries
 from sparsex.bench.workloads import RAG_SYSTEM_PROMPT, ChatFormat, is_answerable, rag_question
-from sparsex.config import parse_dtype
+from sparsex.config import EngineConfig, parse_dtype
 from sparsex.entrypoints.llm import LLM
 from sparsex.outputs import RequestOutput
 from sparsex.sampling_params import SamplingParams
@@ -35,13 +35,13 @@ PASSAGE_TOKENS = (150, 250)       # one Wikipedia lead summary, with its title l
 
 @dataclass
 class DemoConfig:
-    model: str = "smollm2-135m-instruct"
-    cache: str = "sparsex"
-    dtype: str = "auto"               # bfloat16 where the CPU runs it natively, else float32
+    model: str = EngineConfig.model
+    cache: str = EngineConfig.cache
+    dtype: str = EngineConfig.dtype   # auto: bfloat16 where the CPU runs it natively, else float32
     max_tokens: int = 24
     quick: bool = False               # 2 questions over 4 passages: for tests and a first look
     compare: bool = True              # answer every question again with full prefill (cache="none")
-    seed: int = 0
+    seed: int = EngineConfig.seed
 
     def verify(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -166,7 +166,7 @@ def ingest(llm: LLM, system: str, passages: list[Passage], lead: Passage, seed: 
     only at an early position."""
     if not llm.llm_engine.config.enable_prefix_caching:      # cache="none" keeps nothing
         return 0
-    result = llm.ingest([p.text for p in passages], prefix=system + lead.text, passes=3, group_size=4,
+    result = llm.ingest([p.text for p in passages], prefix=system + lead.text, group_size=4,
                         seed=seed, use_tqdm=False)
     return result.num_prompts
 

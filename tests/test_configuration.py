@@ -1,5 +1,6 @@
 """One source per knob: every EngineConfig / ReuseConfig field has a CLI flag, an HTTP request
-field (reuse knobs), a line in docs/configuration.md, and the same default everywhere. No model."""
+field (reuse knobs), a line in docs/configuration.md, the same default everywhere, and the checks
+its declared bounds and choices imply. No model."""
 from __future__ import annotations
 
 import argparse
@@ -9,12 +10,18 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
+import sparsex.entrypoints.llm as llm_module
 from sparsex import LLM, cli
-from sparsex.config import EngineConfig, ReuseConfig, engine_knob_names, knob_meta, knob_type, reuse_knob_names
+from sparsex.config import (EngineConfig, ReuseConfig, engine_knob_names, knob_field, knob_meta, knob_rule, knob_type,
+                            reuse_knob_names)
 from sparsex.demo import DemoConfig
-from sparsex.entrypoints.protocol import ReuseOptions
+from sparsex.entrypoints.ingest import IngestParams
+from sparsex.entrypoints.protocol import IngestRequest, ReuseOptions
 from sparsex.entrypoints.serve_cli import ADVANCED_GROUP, engine_config, engine_knobs, flag_name
+
+pytestmark = pytest.mark.unit
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
 KNOBS = [(EngineConfig, n) for n in engine_knob_names()] + [(ReuseConfig, n) for n in reuse_knob_names()]
@@ -73,7 +80,18 @@ def test_defaults_agree():
         assert {n: getattr(cfg, n) for n in engine_knob_names()} == {n: getattr(engine, n) for n in engine_knob_names()}
         assert cfg.reuse == reuse
     demo = cli.build_parser().parse_args(["demo"])
-    assert (demo.cache, demo.dtype) == (engine.cache, engine.dtype) == (DemoConfig.cache, DemoConfig.dtype)
+    assert (demo.model, demo.cache, demo.dtype, demo.seed) == (engine.model, engine.cache, engine.dtype, engine.seed) \
+        == (DemoConfig.model, DemoConfig.cache, DemoConfig.dtype, DemoConfig.seed)
+    for bench in ("throughput", "prefill"):
+        args = cli.build_parser().parse_args(["bench", bench])
+        assert (args.model, args.dtype) == (engine.model, engine.dtype)
+
+
+@pytest.mark.parametrize("argv", [["demo", "--dtype", "fp8"], ["demo", "--cache", "lru"], ["demo", "--seed", "x"],
+                                  ["bench", "throughput", "--dtype", "fp8"], ["bench", "prefill", "--dtype", "fp8"]])
+def test_demo_and_bench_flags_are_the_engine_declarations(argv):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(argv)
 
 
 def test_flags_reach_the_config():
@@ -104,38 +122,109 @@ def test_advanced_knobs_are_grouped():
             assert row < advanced_at, f"{name} is an everyday knob: give it a row above '## Advanced'"
 
 
-def _outside(bound: float, integer: bool, below: bool) -> float:
-    step = 1 if integer else 0.01
-    return bound - step if below else bound + step
+# every knob with declared bounds or choices, wherever it is declared
+BOUNDED = [(cls, f.name) for cls in (EngineConfig, ReuseConfig, IngestParams) for f in dataclasses.fields(cls)
+           if any(knob_meta(f)[k] is not None for k in ("choices", "ge", "le"))]
+# rules between knobs that a value at a bound meets on its own: probe selectors need a full layer
+COMPANIONS = {"full_layers": {"selector": "random"}}
 
 
-@pytest.mark.parametrize("cls, name", KNOBS, ids=[n for _, n in KNOBS])
-def test_bounds_in_metadata_match_validation(cls, name):
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    meta, integer = knob_meta(f), knob_type(cls, f) is int
-    for key, below in (("ge", True), ("le", False)):
-        if meta[key] is None:
+def _build(cls: type, **knobs) -> None:
+    """Construct and validate (ReuseConfig validates in verify(), the others when built)."""
+    if cls is ReuseConfig:
+        ReuseConfig(**knobs).verify()
+    else:
+        cls(**knobs)
+
+
+def _outside(cls: type, name: str) -> list:
+    """A value just past each declared bound, or one that is none of the choices."""
+    f = knob_field(cls, name)
+    meta = knob_meta(f)
+    if meta["choices"] is not None:
+        first = meta["choices"][0]
+        return [max(meta["choices"]) + 1 if isinstance(first, int) else first + "_"]
+    step = 1 if knob_type(cls, f) is int else 0.01
+    return ([meta["ge"] - step] if meta["ge"] is not None else []) + ([meta["le"] + step] if meta["le"] is not None else [])
+
+
+def _at_bounds(cls: type, name: str) -> list:
+    meta = knob_meta(knob_field(cls, name))
+    return list(meta["choices"]) if meta["choices"] is not None else [b for b in (meta["ge"], meta["le"]) if b is not None]
+
+
+def test_bounded_knobs_are_found():
+    names = {n for _, n in BOUNDED}
+    assert {"cache", "block_size", "segment_eviction", "segment_store_fetch", "recompute_ratio", "selector",
+            "rescore_layers", "passes", "group_size"} <= names
+    assert not {"model", "device", "seed", "approx_prefix"} & names
+
+
+@pytest.mark.parametrize("cls, name", BOUNDED, ids=[n for _, n in BOUNDED])
+def test_a_value_outside_a_declared_bound_or_choice_is_refused_naming_it(cls, name):
+    meta = knob_meta(knob_field(cls, name))
+    allowed = [repr(c) for c in meta["choices"]] if meta["choices"] is not None else \
+        [str(b) for b in (meta["ge"], meta["le"]) if b is not None]
+    for bad in _outside(cls, name):
+        with pytest.raises(ValueError) as e:
+            _build(cls, **{name: bad})
+        message = str(e.value)
+        assert message.startswith(f"{name} must be ") and message.endswith(f"got {bad!r}"), message
+        assert knob_rule(cls, knob_field(cls, name)) in message
+        assert all(a in message for a in allowed), message
+        if cls is IngestParams:
+            with pytest.raises(Exception, match=name):
+                IngestRequest(segments=["a"], **{name: bad})
             continue
-        bad = _outside(meta[key], integer, below)
-        with pytest.raises(ValueError, match=name):
-            if cls is ReuseConfig:
-                ReuseConfig(**{name: bad}).verify()
-            else:
-                EngineConfig(**{name: bad})
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(["serve", flag_name(name), str(bad)])
-        if cls is ReuseConfig:
+        if cls is ReuseConfig and meta["choices"] is None:       # the request body declares bounds only
             with pytest.raises(Exception, match=name):
                 ReuseOptions(**{name: bad})
-        # the bound itself is accepted
-        ok = meta[key]
-        if cls is ReuseConfig:
-            kw = {name: int(ok) if integer else ok}
-            if name == "recompute_ratio" and ok == 1.0:
-                kw["candidate_ratio"] = 1.0         # cross-field rule: candidates >= what is kept
-            if name == "full_layers":
-                kw["selector"] = "random"           # cross-field rule: probe selectors need a full layer
-            ReuseConfig(**kw).verify()
+
+
+@pytest.mark.parametrize("cls, name", BOUNDED, ids=[n for _, n in BOUNDED])
+def test_a_value_at_a_declared_bound_or_choice_is_accepted(cls, name):
+    integer = knob_type(cls, knob_field(cls, name)) is int
+    for ok in _at_bounds(cls, name):
+        ok = int(ok) if integer else ok
+        _build(cls, **{name: ok}, **COMPANIONS.get(name, {}))
+        if cls is IngestParams:
+            assert getattr(IngestRequest(segments=["a"], **{name: ok}), name) == ok
+            continue
+        assert getattr(cli.build_parser().parse_args(["serve", flag_name(name), str(ok)]), name) == ok
+
+
+def test_a_value_of_the_wrong_type_is_refused():
+    with pytest.raises(ValueError, match=r"block_size must be one of .*, got 16\.0"):
+        EngineConfig(block_size=16.0)
+    with pytest.raises(ValueError, match="approx_prefix must be a bool, got 1"):
+        ReuseConfig(approx_prefix=1).verify()
+    with pytest.raises(ValueError, match=r"recompute_ratio must be a number in \[0\.0, 1\.0\], got nan"):
+        ReuseConfig(recompute_ratio=float("nan")).verify()
+    with pytest.raises(ValueError, match="dtype must be one of .* or a torch.dtype, got 'bf17'"):
+        EngineConfig(dtype="bf17")
+    assert EngineConfig(dtype=torch.float16).torch_dtype == torch.float16
+    assert ReuseConfig(rescore_layers=None, recompute_ratio=1).verify() is None      # an int is a number
+
+
+def test_enforce_eager_is_a_knob_of_the_cli_and_of_llm(monkeypatch):
+    f = knob_field(EngineConfig, "enforce_eager")
+    assert f.default is False and knob_type(EngineConfig, f) is bool and "CUDA graphs" in knob_meta(f)["help"]
+    for argv in (["serve"], ["generate", "x"]):
+        assert engine_config(cli.build_parser().parse_args(argv)).enforce_eager is False
+        assert engine_config(cli.build_parser().parse_args([*argv, "--enforce-eager"])).enforce_eager is True
+    # LLM(...) takes it as a keyword and hands it to the engine in its config (a stub engine: no model)
+    monkeypatch.setattr(llm_module, "LLMEngine", lambda config: config)
+    assert LLM(enforce_eager=True).llm_engine.enforce_eager is True
+    with pytest.raises(ValueError, match="enforce_eager must be a bool, got 'yes'"):
+        LLM(enforce_eager="yes")
+
+
+def test_ingest_defaults_are_declared_once():
+    params = inspect.signature(LLM.ingest).parameters
+    for f in dataclasses.fields(IngestParams):
+        assert params[f.name].default == f.default == IngestRequest.model_fields[f.name].default
 
 
 def test_unknown_knob_is_a_type_error_listing_valid_ones():

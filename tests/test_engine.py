@@ -101,7 +101,7 @@ def test_bad_input_raises_before_queuing_and_engine_keeps_serving(llm_prefix, sm
         llm_prefix.generate({"prompt_token_ids": []}, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="unknown model"):
         LLM(model="no-such-model")
-    with pytest.raises(ValueError, match="cache mode"):
+    with pytest.raises(ValueError, match="cache must be one of"):
         LLM(cache="bogus")
     out = llm_prefix.generate("Still serving?", GREEDY, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 12

@@ -64,7 +64,7 @@ def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
-def test_fp32_greedy_matches_transformers_with_and_without_cuda_graphs(family, prompts, monkeypatch):
+def test_fp32_greedy_matches_transformers_with_and_without_cuda_graphs(family, prompts):
     name, path, ref = family
     if name == "phi3":
         prompts = [p for p in prompts if len(p) > 32]        # LongRoPE: long factors on both sides
@@ -83,8 +83,7 @@ def test_fp32_greedy_matches_transformers_with_and_without_cuda_graphs(family, p
     assert sum(o.num_cached_tokens for o in again) > 0
     graphs.llm_engine.check_integrity()
     del graphs
-    monkeypatch.setenv("SPARSEX_ENFORCE_EAGER", "1")
-    eager = LLM(model=path, device="cuda", dtype="float32", cache="none")
+    eager = LLM(model=path, device="cuda", dtype="float32", cache="none", enforce_eager=True)
     assert eager.llm_engine.runner.enforce_eager
     assert [o.outputs[0].token_ids for o in _generate(eager, prompts, GREEDY)] == \
         [o.outputs[0].token_ids for o in outs], f"{name}: CUDA-graph decode differs from eager"

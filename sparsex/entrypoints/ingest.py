@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+from sparsex.config import check_knobs, knob
 from sparsex.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -22,6 +23,19 @@ if TYPE_CHECKING:
 # later passes compute exactly and merge into the index entries instead of blending
 MERGE_PASS_REUSE = {"blend": False}
 INGEST_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+@dataclass(frozen=True)
+class IngestParams:
+    """How a corpus is ingested: the defaults and bounds of both `LLM.ingest` and `POST /v1/segments`."""
+    # each pass computes the whole corpus again: the bound caps what one request can ask for
+    passes: int = knob(3, "pass 1 in order; later passes regroup the segments and merge each one's encodings",
+                       ge=1, le=16)
+    group_size: int = knob(8, "segments per ingestion prompt", ge=1)
+    seed: int = knob(0, "seed of the later passes' shuffles")
+
+    def __post_init__(self) -> None:
+        check_knobs(self)
 
 
 @dataclass(frozen=True)
@@ -43,7 +57,7 @@ class IngestPlan:
         return sum(len(p) for p in self.passes)
 
 
-def check_ingest_args(segments: Any, prefix: Any, passes: Any, group_size: Any) -> list[str]:
+def check_ingest_args(segments: Any, prefix: Any) -> list[str]:
     """The segments as a list of non-empty strings; ValueError naming the bad argument otherwise."""
     if isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence):
         raise ValueError(f"segments must be a list of strings, got {type(segments).__name__}")
@@ -55,17 +69,15 @@ def check_ingest_args(segments: Any, prefix: Any, passes: Any, group_size: Any) 
             raise ValueError(f"segments[{i}] must be a non-empty string, got {s!r:.40}")
     if prefix is not None and (not isinstance(prefix, str) or not prefix):
         raise ValueError(f"prefix must be a non-empty string or None, got {prefix!r:.40}")
-    for name, v in (("passes", passes), ("group_size", group_size)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
     return segments
 
 
 def plan_ingest(engine: LLMEngine, segments: Sequence[str], *, prefix: str | None, cache_salt: str | None,
-                passes: int, group_size: int, seed: int) -> IngestPlan:
+                params: IngestParams) -> IngestPlan:
     """Tokenize every ingestion prompt (on the engine's thread); ValueError before anything runs if
     an argument is bad or a prompt does not fit max_model_len."""
-    segments = check_ingest_args(segments, prefix, passes, group_size)
+    segments = check_ingest_args(segments, prefix)
+    passes, group_size = params.passes, params.group_size
     if not engine.config.enable_prefix_caching:
         raise ValueError("ingesting segments needs cache='sparsex' (or 'prefix'); this engine caches nothing")
     lead = [prefix] if prefix is not None else []
@@ -74,7 +86,7 @@ def plan_ingest(engine: LLMEngine, segments: Sequence[str], *, prefix: str | Non
         n = len(engine.tokenize({"segments": [*lead, seg], "cache_salt": cache_salt}).token_ids)
         if n >= limit:
             raise ValueError(f"segments[{i}] (after the prefix) has {n} tokens; max_model_len is {limit}")
-    rng = random.Random(seed)
+    rng = random.Random(params.seed)
     plan: list[list[Any]] = []
     for p in range(passes):
         order = segments if p == 0 else rng.sample(segments, len(segments))

@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from sparsex.config import EngineConfig
 from sparsex.engine.llm_engine import LLMEngine
-from sparsex.entrypoints.ingest import INGEST_PARAMS, IngestResult, ingest_result, plan_ingest
+from sparsex.entrypoints.ingest import INGEST_PARAMS, IngestParams, IngestResult, ingest_result, plan_ingest
 from sparsex.outputs import RequestOutput
 from sparsex.sampling_params import SamplingParams
 
@@ -24,7 +24,7 @@ class LLM:
 
       cache: "sparsex" (prefix caching + segment reuse, default) | "prefix" (exact prefix caching) | "none"
       dtype: "auto" (bfloat16 where it runs natively, else float32) | "float32" | "bfloat16" | "float16"
-      device: "cpu" | "cuda" | "cuda:N";   seed
+      device: "cpu" | "cuda" | "cuda:N";   seed;   enforce_eager (CUDA: decode without graph replay)
       memory and length: num_blocks or kv_cache_memory (bytes), max_model_len, max_num_seqs,
           max_num_batched_tokens
       segment reuse: recompute_ratio, full_layers, selector
@@ -67,16 +67,18 @@ class LLM:
         return self._run(tokenized, params, use_tqdm, reuse)
 
     def ingest(self, segments: Sequence[str], *, prefix: str | None = None, cache_salt: str | None = None,
-               passes: int = 3, group_size: int = 8, seed: int = 0, use_tqdm: bool = False) -> IngestResult:
+               passes: int = IngestParams.passes, group_size: int = IngestParams.group_size,
+               seed: int = IngestParams.seed, use_tqdm: bool = False) -> IngestResult:
         """Compute `segments` (a corpus's passages) ahead of the prompts that will reuse them, in
         any order and position: prompts of `group_size` segments after `prefix` (the application's
         system prompt or preamble, if any; at least `min_context_tokens` long lets every segment be
         reused anywhere), pass 1 in order, passes 2..`passes` in seeded shuffles computed exactly, so
         each index entry becomes the mean of its encodings. `cache_salt`: the namespace the entries
-        belong to (later prompts must carry the same salt to reuse them)."""
+        belong to (later prompts must carry the same salt to reuse them). Defaults and bounds:
+        IngestParams."""
         engine = self.llm_engine
-        plan = plan_ingest(engine, segments, prefix=prefix, cache_salt=cache_salt, passes=passes,
-                           group_size=group_size, seed=seed)
+        params = IngestParams(passes=passes, group_size=group_size, seed=seed)
+        plan = plan_ingest(engine, segments, prefix=prefix, cache_salt=cache_salt, params=params)
         outputs: list[RequestOutput] = []
         for prompts, reuse in zip(plan.passes, plan.reuse):
             outputs += self._run(prompts, [INGEST_PARAMS] * len(prompts), use_tqdm, reuse)

@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from sparsex.config import ReuseConfig, knob_meta, knob_type
+from sparsex.config import ReuseConfig, knob_field, knob_meta, knob_type
+from sparsex.entrypoints.ingest import IngestParams
 from sparsex.sampling_params import MAX_LOGPROBS
 
 # torch.Generator.manual_seed takes at most 64 bits and the engine seeds choice i with seed + i:
@@ -50,15 +51,20 @@ class _ReuseOptionsBase(_Request):
         return self.model_dump(exclude_none=True)
 
 
+def _knob_field(f: dataclasses.Field, *, optional: bool = False, **bounds: Any) -> Any:
+    """A request field with a knob's default (None if `optional`), bounds and help; `bounds`: the HTTP
+    layer's own, for a knob that declares none."""
+    meta = knob_meta(f)
+    return Field(default=None if optional else f.default, **{"ge": meta["ge"], "le": meta["le"], **bounds},
+                 description=meta["help"] or None)
+
+
 def _reuse_options_model() -> type[_ReuseOptionsBase]:
     """One optional field per ReuseConfig field, typed, bounded and described by its knob metadata:
     a new ReuseConfig knob is a request field without further code."""
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(ReuseConfig):
-        meta = knob_meta(f)
-        kind = knob_type(ReuseConfig, f)
-        fields[f.name] = (kind | None, Field(default=None, ge=meta["ge"], le=meta["le"],
-                                              description=meta["help"] or None))
+        fields[f.name] = (knob_type(ReuseConfig, f) | None, _knob_field(f, optional=True))
     return create_model("ReuseOptions", __base__=_ReuseOptionsBase,
                         __doc__="Per-request overrides of the segment-reuse knobs (cache mode `sparsex` "
                                 "only; refused unless the server runs with --allow-reuse-overrides).",
@@ -166,10 +172,9 @@ class IngestRequest(_Request):
                                "application's system prompt or preamble")
     cache_salt: str | None = Field(default=None, description="namespace of the entries (the tenant header "
                                    "overrides it, as for completions)")
-    passes: int = Field(default=3, ge=1, le=16, description="pass 1 in order; later passes regroup the segments "
-                        "and merge each one's encodings")
-    group_size: int = Field(default=8, ge=1, description="segments per ingestion prompt")
-    seed: int = Field(default=0, ge=_SEED_MIN, le=_SEED_MAX, description="seed of the later passes' shuffles")
+    passes: int = _knob_field(knob_field(IngestParams, "passes"))
+    group_size: int = _knob_field(knob_field(IngestParams, "group_size"))
+    seed: int = _knob_field(knob_field(IngestParams, "seed"), ge=_SEED_MIN, le=_SEED_MAX)
 
 
 class IngestResponse(_Response):

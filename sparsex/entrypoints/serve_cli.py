@@ -12,23 +12,22 @@ import os
 import sys
 from typing import Any, Callable
 
-from sparsex.config import EngineConfig, ReuseConfig, engine_knob_names, knob_meta, knob_type, reuse_knob_names
+from sparsex.config import (EngineConfig, ReuseConfig, check_knob, engine_knob_names, knob_field, knob_meta,
+                            knob_type, reuse_knob_names)
 
 DEFAULT_MODEL = EngineConfig.model
 ENGINE_GROUP, REUSE_GROUP, ADVANCED_GROUP = "engine", "segment reuse", "advanced segment reuse"
 
 
-def _checked(parse: Callable[[str], Any], ge: float | None, le: float | None) -> Callable[[str], Any]:
-    """An argparse type: `parse`, then the knob's bounds, as a usage error naming the value."""
+def _checked(cls: type, f: dataclasses.Field, parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type: `parse`, then the knob's declared choices and bounds (`check_knob`), as a
+    usage error naming the value."""
     def convert(text: str) -> Any:
         try:
             value = parse(text)
+            check_knob(cls, f, value)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
-        if (ge is not None and not value >= ge) or (le is not None and not value <= le):
-            bounds = " and ".join(b for b in (f">= {ge}" if ge is not None else "",
-                                              f"<= {le}" if le is not None else "") if b)
-            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text!r}")
         return value
     convert.__name__ = parse.__name__        # argparse names the type in "invalid <name> value"
     return convert
@@ -45,25 +44,33 @@ def engine_fields(skip: tuple[str, ...] = ("model",)) -> list[tuple[type, datacl
     return out + [(ReuseConfig, f) for f in dataclasses.fields(ReuseConfig)]
 
 
+def knob_help(f: dataclasses.Field) -> str:
+    """A knob's --help line: its help text and its default."""
+    shown = "unset" if f.default is None else f.default
+    return f"{knob_meta(f)['help']} (default: {shown})".lstrip()
+
+
+def add_knob_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, name: str) -> None:
+    """The flag of one EngineConfig / ReuseConfig field (`--full-layers` for full_layers), with its
+    type, choices, bounds, default and help from the field. Bool knobs take --X / --no-X."""
+    f = knob_field(cls, name)
+    meta = knob_meta(f)
+    if knob_type(cls, f) is bool:
+        p.add_argument(flag_name(name), dest=name, action=argparse.BooleanOptionalAction, default=f.default,
+                       help=knob_help(f))
+        return
+    p.add_argument(flag_name(name), dest=name, default=f.default, choices=meta["choices"],
+                   type=_checked(cls, f, meta["parse"] or knob_type(cls, f)), help=knob_help(f))
+
+
 def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ("model",)) -> None:
-    """One flag per EngineConfig / ReuseConfig field (`--full-layers` for full_layers), with its type,
-    choices, bounds, default and help from the field, in three groups: engine, segment reuse and
-    advanced segment reuse. Bool knobs take --X / --no-X. `skip`: fields the caller adds itself."""
+    """One flag per EngineConfig / ReuseConfig field (`add_knob_arg`), in three groups: engine,
+    segment reuse and advanced segment reuse. `skip`: fields the caller adds itself."""
     groups = {name: p.add_argument_group(name) for name in (ENGINE_GROUP, REUSE_GROUP, ADVANCED_GROUP)}
     for cls, f in engine_fields(skip):
-        meta = knob_meta(f)
-        group = groups[ADVANCED_GROUP if meta["advanced"] else REUSE_GROUP if cls is ReuseConfig else ENGINE_GROUP]
-        default = f.default
-        shown = "unset" if default is None else default
-        help_text = f"{meta['help']} (default: {shown})" if meta["help"] else f"(default: {shown})"
-        kind = knob_type(cls, f)
-        if kind is bool:
-            group.add_argument(flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=default, help=help_text)
-            continue
-        parse = meta["parse"] or kind
-        group.add_argument(flag_name(f.name), dest=f.name, default=default, choices=meta["choices"],
-                           type=_checked(parse, meta["ge"], meta["le"]), help=help_text)
+        advanced = knob_meta(f)["advanced"]
+        group = groups[ADVANCED_GROUP if advanced else REUSE_GROUP if cls is ReuseConfig else ENGINE_GROUP]
+        add_knob_arg(group, cls, f.name)
 
 
 def engine_knobs(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -108,7 +115,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
                               description="Serve a model over an OpenAI-compatible HTTP API (see docs/server.md).")
-    p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"model name or path (default {DEFAULT_MODEL})")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=knob_help(knob_field(EngineConfig, "model")))
     add_engine_args(p)
     add_server_args(p)
     p.set_defaults(func=run_serve)

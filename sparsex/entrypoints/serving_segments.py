@@ -11,7 +11,7 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from sparsex.entrypoints.ingest import INGEST_PARAMS, IngestPlan, ingest_result, plan_ingest
+from sparsex.entrypoints.ingest import INGEST_PARAMS, IngestParams, IngestPlan, ingest_result, plan_ingest
 from sparsex.entrypoints.protocol import IngestRequest, IngestResponse
 from sparsex.entrypoints.serving_common import (
     SCOPE_HEADER,
@@ -28,8 +28,8 @@ async def ingest_segments(body: IngestRequest, request: Request, ctx: ServingCon
     ns = ctx.namespace(request, body.cache_salt, [], "segments")
 
     def plan(engine) -> IngestPlan:
-        return plan_ingest(engine, body.segments, prefix=body.prefix, cache_salt=ns.salt, passes=body.passes,
-                           group_size=body.group_size, seed=body.seed)
+        params = IngestParams(passes=body.passes, group_size=body.group_size, seed=body.seed)
+        return plan_ingest(engine, body.segments, prefix=body.prefix, cache_salt=ns.salt, params=params)
 
     try:
         ingest = await ctx.engine.call(plan)
