@@ -56,10 +56,10 @@ def test_cuda_graph_decode_matches_eager(gpu_llm, cpu_greedy):
     prompts = [c["prompt_token_ids"] for c in cpu_greedy["cases"]]
     for batch in (prompts[:1], prompts[:3], prompts):          # graph sizes 1, 4 (padded), 8 (padded)
         gpu_llm.reset_cache()
-        runner.enforce_eager = True
+        gpu_llm.llm_engine.config.enforce_eager = True
         eager = _greedy(gpu_llm, batch, 20)
         gpu_llm.reset_cache()
-        runner.enforce_eager = False
+        gpu_llm.llm_engine.config.enforce_eager = False
         graphed = _greedy(gpu_llm, batch, 20)
         assert graphed == eager
     assert runner.decode_graphs is not None and len(runner.decode_graphs.graphs) > 0

@@ -69,7 +69,7 @@ def test_fp32_greedy_matches_transformers_with_and_without_cuda_graphs(family, p
     if name == "phi3":
         prompts = [p for p in prompts if len(p) > 32]        # LongRoPE: long factors on both sides
     graphs = LLM(model=path, device="cuda", dtype="float32", cache="prefix")
-    assert not graphs.llm_engine.runner.enforce_eager
+    assert not graphs.llm_engine.config.enforce_eager
     outs = _generate(graphs, prompts, GREEDY)
     for p, o in zip(prompts, outs):
         ref_ids, ref_lps = _hf_greedy(ref, p, GREEDY.max_tokens)
@@ -84,7 +84,7 @@ def test_fp32_greedy_matches_transformers_with_and_without_cuda_graphs(family, p
     graphs.llm_engine.check_integrity()
     del graphs
     eager = LLM(model=path, device="cuda", dtype="float32", cache="none", enforce_eager=True)
-    assert eager.llm_engine.runner.enforce_eager
+    assert eager.llm_engine.config.enforce_eager
     assert [o.outputs[0].token_ids for o in _generate(eager, prompts, GREEDY)] == \
         [o.outputs[0].token_ids for o in outs], f"{name}: CUDA-graph decode differs from eager"
 
