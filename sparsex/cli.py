@@ -22,6 +22,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from sparsex.arg_types import length_list, non_negative_float, positive_int
 from sparsex.bench.edit_replay import add_edit_replay_parser
 from sparsex.bench.replica_bench import add_replica_bench_parser
 from sparsex.bench.serve_bench import add_serve_bench_parser
@@ -32,36 +33,6 @@ from sparsex.entrypoints.serve_cli import add_engine_args, add_serve_parser, eng
 
 DEFAULT_MODEL = EngineConfig.model
 EXIT_USAGE = 2
-
-
-# ---------------------------------------------------------------------------- argument types
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
-    if not value >= 0:          # also rejects nan
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
-    return value
-
-
-def length_list(text: str) -> tuple[int, ...]:
-    """`512,1024,2048` -> (512, 1024, 2048)."""
-    parts = [p for p in text.replace(" ", "").split(",") if p]
-    if not parts:
-        raise argparse.ArgumentTypeError("expected a comma-separated list of token counts")
-    return tuple(positive_int(p) for p in parts)
 
 
 # ---------------------------------------------------------------------------- parser

@@ -6,12 +6,13 @@ import shlex
 import sys
 from typing import Callable
 
+from sparsex.arg_types import positive_int
+
 THREADS_HELP = "torch intra-op threads (default: torch's)"
 
 
 def add_threads_arg(p: argparse.ArgumentParser, help: str = THREADS_HELP) -> None:
     """`--threads N` (an integer >= 1, checked by argparse: a usage error before anything loads)."""
-    from sparsex.cli import positive_int
     p.add_argument("--threads", type=positive_int, default=None, help=help)
 
 

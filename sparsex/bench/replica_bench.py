@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from sparsex.arg_types import int_pair
 from sparsex.bench import add_threads_arg, command_line, set_threads
 from sparsex.bench.workload_config import DEFAULT_MODEL, MAX_AUTO_BLOCKS, WorkloadBenchConfig, WorkloadParams
 
@@ -487,14 +488,6 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
 
 # ---------------------------------------------------------------------------- CLI
 
-def _int_pair(text: str) -> tuple[int, int]:
-    try:
-        lo, hi = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MIN:MAX (integers), got {text!r}") from None
-    return lo, hi
-
-
 def add_replica_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `replicas` under `sparsex bench`; the handler is `run_replica_bench_cli`."""
     d = ReplicaBenchConfig()
@@ -519,7 +512,7 @@ def add_replica_bench_parser(subparsers: argparse._SubParsersAction) -> argparse
                    help="KV pool per replica (default: every passage twice + 4 requests, at most the whole run)")
     p.add_argument("--k", type=int, default=d.k, help="passages per query")
     p.add_argument("--num-passages", type=int, default=d.num_passages, help="corpus (Zipf popularity over it)")
-    p.add_argument("--passage-tokens", type=_int_pair, default=d.passage_tokens, help="passage length MIN:MAX")
+    p.add_argument("--passage-tokens", type=int_pair, default=d.passage_tokens, help="passage length MIN:MAX")
     p.add_argument("--zipf-a", type=float, default=d.zipf_a)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--prewarm-passes", type=int, default=d.prewarm_passes,

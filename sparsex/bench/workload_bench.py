@@ -68,6 +68,7 @@ import sys
 import time
 from typing import Any
 
+from sparsex.arg_types import int_pair
 from sparsex.bench import add_threads_arg, set_threads
 from sparsex.bench.engine_cache import EngineCache
 from sparsex.bench.peer import run_peer
@@ -160,17 +161,7 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
     return summaries
 
 
-
-
 # ============================================================================ CLI
-
-def _int_pair(text: str) -> tuple[int, int]:
-    try:
-        lo, hi = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MIN:MAX (integers), got {text!r}") from None
-    return lo, hi
-
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" unless the help text already says what the default is."""
@@ -229,7 +220,7 @@ def add_workload_bench_parser(subparsers: argparse._SubParsersAction) -> argpars
     g.add_argument("--k", type=int, default=None, help=f"rag passages per query (default {d.k}; stream {StreamConfig.k})")
     g.add_argument("--num-passages", type=int, default=None,
                    help=f"rag corpus (default {d.num_passages}; stream {StreamConfig.num_passages})")
-    g.add_argument("--passage-tokens", type=_int_pair, default=None,
+    g.add_argument("--passage-tokens", type=int_pair, default=None,
                    help="rag passage length MIN:MAX (default 300:500; stream 150:250)")
     g.add_argument("--users", type=int, default=d.users, help="chat users")
     g.add_argument("--turns", type=int, default=d.turns, help="chat turns per user")

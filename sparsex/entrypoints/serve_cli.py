@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Any, Callable
 
+from sparsex.arg_types import positive_int
 from sparsex.config import EngineConfig, ReuseConfig, engine_knob_names, knob_meta, knob_type, reuse_knob_names
 
 DEFAULT_MODEL = EngineConfig.model
@@ -72,23 +73,13 @@ def engine_knobs(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict[s
     return {n: getattr(args, n) for n in names if hasattr(args, n) and n not in skip}
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return v
-
-
 def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=os.environ.get("SPARSEX_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* and /tokenize (default: $SPARSEX_API_KEY)")
-    g.add_argument("--max-queued-requests", type=_positive_int, default=None,
+    g.add_argument("--max-queued-requests", type=positive_int, default=None,
                    help="answer 503 + Retry-After when this many requests are already waiting")
     g.add_argument("--tenant-header", default=None,
                    help="request header naming the tenant (e.g. X-Tenant-ID): tenants never share cached KV")
@@ -100,7 +91,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model's)")
     g.add_argument("--shutdown-timeout", type=float, default=None,
                    help="on SIGTERM, seconds to wait for in-flight requests before closing them (default: wait)")
-    g.add_argument("--torch-threads", type=_positive_int, default=None,
+    g.add_argument("--torch-threads", type=positive_int, default=None,
                    help="torch intra-op threads (default: torch's choice); lower it on shared machines")
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
