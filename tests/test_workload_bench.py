@@ -19,11 +19,12 @@ from sparsex.bench import workload_bench as wb
 from sparsex.bench.answer_scoring import exact_match, token_f1
 from sparsex.bench.engine_cache import EngineCache
 from sparsex.bench.flop_model import FlopModel
-from sparsex.bench.plots import plot_pareto, plot_stream, plot_ttft_cdf, require_matplotlib
+from sparsex.bench.plots import plot_pareto, plot_ttft_cdf
 from sparsex.bench.policies import NAMED_POLICIES, SWEEP_FULL_LAYERS, SWEEP_RATIOS, parse_policies, sweep_policies
 from sparsex.bench.policy_summary import PolicySummary
+from sparsex.bench.pyplot import require_matplotlib
 from sparsex.bench.replay import RequestRecord, compute_reference
-from sparsex.bench.stream import run_stream
+from sparsex.bench.stream import plot_stream, run_stream
 from sparsex.bench.workload_bench import run_workload_bench
 from sparsex.bench.workload_config import MAX_AUTO_BLOCKS, StreamConfig, WorkloadBenchConfig, WorkloadParams
 from sparsex.bench.workload_prompts import build_workload, ingestion_preamble, tokenized_workload

@@ -106,7 +106,7 @@ def format_table(points: list[PrefillPoint]) -> str:
 def save_plot(points: list[PrefillPoint], path: str, title: str) -> None:
     import os
 
-    from sparsex.bench.plots import pyplot
+    from sparsex.bench.pyplot import pyplot
     plt = pyplot()
 
     xs = [p.length for p in points]

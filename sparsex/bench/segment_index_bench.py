@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     if not sections or sections - {"index", "spans", "stream"}:
         ap.error(f"--sections: choose from index, spans, stream; got {args.sections!r}")
     if args.plot:
-        from sparsex.bench.plots import require_matplotlib
+        from sparsex.bench.pyplot import require_matplotlib
         try:
             require_matplotlib()
         except ValueError as e:
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     for policy, c in curves.items():
         print(f"| {policy} | {100*c[0]:.1f}% | {100*c[-1]:.1f}% | {100*sum(c)/len(c):.1f}% |")
     if args.plot:
-        from sparsex.bench.plots import pyplot
+        from sparsex.bench.pyplot import pyplot
         plt = pyplot()
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for policy, c in curves.items():

@@ -138,7 +138,7 @@ class StreamConfig:
 
 def _verify_plot_dir(plot_dir: str | None) -> None:
     if plot_dir is not None:
-        from sparsex.bench.plots import require_matplotlib
+        from sparsex.bench.pyplot import require_matplotlib
         require_matplotlib()
 
 
