@@ -178,3 +178,21 @@ def test_benchmarks_import_neither_the_command_line_nor_the_server():
     assert not [m for m, deps in bench.items() if "sparsex.cli" in deps or "sparsex.demo" in deps]
     entry = {(m, d) for m, deps in bench.items() for d in deps if _in(d, "sparsex.entrypoints")}
     assert entry == BENCH_ENTRYPOINTS, sorted(entry ^ BENCH_ENTRYPOINTS)
+
+
+# `sparsex.bench` modules that no `sparsex bench` subcommand imports, and why they live there
+BENCH_SCRIPTS = {"sparsex.bench.vllm_peer"}    # `--peer vllm` runs it as a file in vLLM's own virtualenv
+
+
+def test_every_benchmark_module_serves_a_bench_subcommand():
+    """sparsex.bench holds what `sparsex bench ...` runs; an analysis that only feeds the docs lives in
+    benchmarks/ (it may import sparsex.bench, never the reverse)."""
+    graph = _import_graph()
+    reached, todo = set(), ["sparsex.cli"]
+    while todo:
+        mod = todo.pop()
+        if mod not in reached:
+            reached.add(mod)
+            todo.extend(graph[mod])
+    idle = {m for m in graph if _in(m, "sparsex.bench") and m not in reached}
+    assert idle == BENCH_SCRIPTS, sorted(idle ^ BENCH_SCRIPTS)

@@ -1,4 +1,6 @@
-"""Benchmarks (`sparsex bench ...`): see docs/architecture.md."""
+"""Benchmarks users run (`sparsex bench ...`, registered in sparsex/cli.py) and the pieces they share:
+see docs/architecture.md. Analyses that only produce numbers or figures for the docs live in
+benchmarks/ at the repository root; they may import this package, never the reverse."""
 from __future__ import annotations
 
 import argparse

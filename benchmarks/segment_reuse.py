@@ -5,7 +5,7 @@ another order (a priming prompt that stands them at other positions, with anothe
 all of them are segment hits at new positions; the system prompt is an exact prefix hit. The
 question (and the teacher-forced continuation) is new content.
 
-    python -m sparsex.bench.segment_reuse --queries 12 --passages 6 --dtype float32
+    .venv/bin/python benchmarks/segment_reuse.py --queries 12 --passages 6 --dtype float32
 """
 from __future__ import annotations
 

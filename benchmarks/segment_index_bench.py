@@ -13,7 +13,7 @@ workload), the rest are one-off novel passages (never seen again). A miss alloca
 blocks from a pool that holds only a fraction of the corpus, which may evict entries. Reported: the
 segment hit rate (tokens) of the reusable passages over time, per policy.
 
-    python -m sparsex.bench.segment_index_bench [--sections index,spans,stream]
+    .venv/bin/python benchmarks/segment_index_bench.py [--sections index,spans,stream]
 """
 from __future__ import annotations
 
