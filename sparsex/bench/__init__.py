@@ -4,6 +4,7 @@ benchmarks/ at the repository root; they may import this package, never the reve
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 from typing import Callable
@@ -16,6 +17,17 @@ THREADS_HELP = "torch intra-op threads (default: torch's)"
 def add_threads_arg(p: argparse.ArgumentParser, help: str = THREADS_HELP) -> None:
     """`--threads N` (an integer >= 1, checked by argparse: a usage error before anything loads)."""
     p.add_argument("--threads", type=positive_int, default=None, help=help)
+
+
+def add_engine_flag(p: argparse.ArgumentParser, name: str, help: str | None = None) -> None:
+    """`--model`, `--dtype`, `--device`: an EngineConfig knob's flag with the knob's default, choices
+    and help, the declaration `sparsex generate` and `serve` derive theirs from (`help` replaces the
+    knob's). The engine checks the value when the benchmark builds it."""
+    from sparsex.config import EngineConfig, knob_meta, knob_type
+    field = {f.name: f for f in dataclasses.fields(EngineConfig)}[name]
+    meta = knob_meta(field)
+    p.add_argument("--" + name.replace("_", "-"), type=knob_type(EngineConfig, field), default=field.default,
+                   choices=meta["choices"], help=help or meta["help"])
 
 
 def set_threads(threads: int | None) -> None:

@@ -1,6 +1,6 @@
 """End-to-end workload benchmark: cache policies replayed over a RAG, chat or agent workload.
 
-    sparsex bench workload --workload rag --policies none,sparsex --out runs/rag
+    sparsex bench workload --workload rag --policies none,sparsex --dtype float32 --out runs/rag
     sparsex bench workload --workload rag --prompt-form stuffed --policies none,prefix,sparsex --out runs/rag_stuffed
     sparsex bench workload --workload rag --no-prewarm --queries 16 --k 4 --policies none,prefix,naive,sparsex \\
         --out runs/rag_cold --plot-dir runs/rag_cold/img --threads 1
@@ -8,8 +8,9 @@
 
 (also `python -m sparsex.bench.workload_bench ...`). Policies: `sparsex.bench.policies`. The rag
 defaults are the headline configuration of docs/benchmarks.md (96 queries of k = 8 passages, the
-corpus ingested first in three passes, float32, a pool of at most `MAX_AUTO_BLOCKS` blocks), so the
-first command above reproduces it.
+corpus ingested first in three passes, a pool of at most `MAX_AUTO_BLOCKS` blocks), so the first
+command above, in float32, reproduces it. The engine flags (`--model`, `--dtype`, `--device`) are
+EngineConfig's, with its defaults (dtype `auto`: bfloat16 on a GPU and on a CPU with native bf16).
 
 **Prompt forms** (`--prompt-form`, rag and agent; `prompt_forms`): `explicit` sends each unit (passage,
 search result) as a segment; `stuffed`, `question-first` and `llamaindex` send the same units joined
@@ -69,7 +70,7 @@ import time
 from typing import Any
 
 from sparsex.arg_types import int_pair
-from sparsex.bench import add_threads_arg, set_threads
+from sparsex.bench import add_engine_flag, add_threads_arg, set_threads
 from sparsex.bench.engine_cache import EngineCache
 from sparsex.bench.peer import run_peer
 from sparsex.bench.plots import plot_pareto, plot_ttft_cdf
@@ -78,7 +79,7 @@ from sparsex.bench.prompt_forms import PROMPT_FORMS
 from sparsex.bench.replay import replay_policy, replay_reference
 from sparsex.bench.report import environment, fidelity_markdown, loadavg, summary_markdown, write_outputs
 from sparsex.bench.stream import run_stream, stream_markdown
-from sparsex.bench.workload_config import (DEFAULT_MODEL, EVICTIONS, MAX_AUTO_BLOCKS, WORKLOADS, StreamConfig,
+from sparsex.bench.workload_config import (EVICTIONS, MAX_AUTO_BLOCKS, WORKLOADS, StreamConfig,
                                            WorkloadBenchConfig, WorkloadParams)
 from sparsex.bench.workload_prompts import (build_workload, ingest_corpus, ingestion_preamble, pool_blocks,
                                             tokenized_workload)
@@ -187,9 +188,9 @@ def add_workload_bench_parser(subparsers: argparse._SubParsersAction) -> argpars
                         "or SELECTOR:F:RATIO[:BOUNDARY]")
     p.add_argument("--sweep", action="store_true",
                    help="also run recompute_ratio {0..1} x full_layers {0,1,2,4} (Pareto front)")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--device", default="cpu", help="cpu | cuda: where the engines run (rag/chat/agent replays)")
+    add_engine_flag(p, "model")
+    add_engine_flag(p, "dtype")
+    add_engine_flag(p, "device", help="cpu | cuda: where the engines run (rag/chat/agent replays)")
     add_threads_arg(p, help="torch intra-op threads (default: torch's, one per core; on a busy shared CPU, 1 "
                             "is often much faster)")
     p.add_argument("--out", default="workload_bench_out", help="directory for JSON/CSV/markdown")
