@@ -9,7 +9,7 @@
 (also `python -m sparsex.bench.workload_bench ...`). Policies: `sparsex.bench.policies`. The rag
 defaults are the headline configuration of docs/benchmarks.md (96 queries of k = 8 passages, the
 corpus ingested first in three passes, a pool of at most `MAX_AUTO_BLOCKS` blocks), so the first
-command above, in float32, reproduces it. The engine flags (`--model`, `--dtype`, `--device`) are
+command above (float32, as the headline ran) reproduces it. The engine flags (`--model`, `--dtype`, `--device`) are
 EngineConfig's, with its defaults (dtype `auto`: bfloat16 on a GPU and on a CPU with native bf16).
 
 **Prompt forms** (`--prompt-form`, rag and agent; `prompt_forms`): `explicit` sends each unit (passage,
