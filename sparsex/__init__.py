@@ -2,6 +2,6 @@
 from sparsex.entrypoints.llm import LLM
 from sparsex.outputs import CompletionOutput, RequestOutput
 from sparsex.sampling_params import SamplingParams
+from sparsex.version import __version__  # noqa: F401  (sparsex.__version__)
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
-__version__ = "0.1.0"

@@ -12,7 +12,7 @@
     sparsex serve [MODEL] [every engine flag] [server flags]
 
 Engine flags (`--cache`, `--dtype`, `--recompute-ratio`, ...) come from EngineConfig / ReuseConfig
-(serve_cli.add_engine_args, add_knob_arg), so `generate`, `serve`, `LLM(...)`, `demo`'s `--model`,
+(serve_cli.add_engine_args, knob_args.add_knob_arg), so `generate`, `serve`, `LLM(...)`, `demo`'s `--model`,
 `--cache`, `--dtype`, `--seed` and `bench`'s `--model`, `--dtype` share their names, defaults and
 checks: docs/configuration.md. Every subcommand takes --threads N (torch intra-op threads). Bad arguments
 and engine ValueErrors exit with status 2 and a one-line message, never a traceback.
@@ -23,45 +23,17 @@ import argparse
 import sys
 from typing import Sequence
 
+from sparsex.arg_types import length_list, non_negative_float, positive_int
 from sparsex.bench.edit_replay import add_edit_replay_parser
 from sparsex.bench.replica_bench import add_replica_bench_parser
 from sparsex.bench.serve_bench import add_serve_bench_parser
 from sparsex.bench.store_bench import add_store_bench_parser
 from sparsex.bench.workload_bench import add_workload_bench_parser
 from sparsex.config import EngineConfig, parse_dtype
-from sparsex.entrypoints.serve_cli import add_engine_args, add_knob_arg, add_serve_parser, engine_knobs
+from sparsex.entrypoints.serve_cli import add_engine_args, add_serve_parser, engine_knobs
+from sparsex.knob_args import add_knob_arg
 
 EXIT_USAGE = 2
-
-
-# ---------------------------------------------------------------------------- argument types
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
-    if not value >= 0:          # also rejects nan
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
-    return value
-
-
-def length_list(text: str) -> tuple[int, ...]:
-    """`512,1024,2048` -> (512, 1024, 2048)."""
-    parts = [p for p in text.replace(" ", "").split(",") if p]
-    if not parts:
-        raise argparse.ArgumentTypeError("expected a comma-separated list of token counts")
-    return tuple(positive_int(p) for p in parts)
 
 
 # ---------------------------------------------------------------------------- parser

@@ -134,15 +134,6 @@ def test_engine_value_error_becomes_one_line(monkeypatch: pytest.MonkeyPatch, ca
     assert err.strip() == "sparsex generate: error: prompt has 9000 tokens; max_model_len is 8192"
 
 
-def test_argument_types() -> None:
-    assert cli.length_list("512, 1024,2048") == (512, 1024, 2048)
-    with pytest.raises(argparse.ArgumentTypeError):
-        cli.length_list("0,1")
-    with pytest.raises(argparse.ArgumentTypeError):
-        cli.non_negative_float("nan")
-    assert cli.positive_int("3") == 3
-
-
 # ---------------------------------------------------------------- subcommands and engine flags
 
 

@@ -19,7 +19,8 @@ from sparsex.config import (EngineConfig, ReuseConfig, engine_knob_names, knob_f
 from sparsex.demo import DemoConfig
 from sparsex.entrypoints.ingest import IngestParams
 from sparsex.entrypoints.protocol import IngestRequest, ReuseOptions
-from sparsex.entrypoints.serve_cli import ADVANCED_GROUP, engine_config, engine_knobs, flag_name
+from sparsex.entrypoints.serve_cli import ADVANCED_GROUP, engine_config, engine_knobs
+from sparsex.knob_args import flag_name
 
 pytestmark = pytest.mark.unit
 

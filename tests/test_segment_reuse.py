@@ -282,7 +282,7 @@ def test_segment_eviction_under_pressure_keeps_pool_consistent(smollm2, wiki_tex
 
 
 def test_default_selector_beats_naive_and_random_on_real_rag(llm_sx, llm_none):
-    from sparsex.bench.segment_reuse import build_queries
+    from benchmarks.segment_reuse import build_queries
     eng, ref = llm_sx.llm_engine, llm_none.llm_engine
     eng.reset_cache()
     # 8 queries, not 3: on 3 short-passage queries the two-stage default (r = 0.125) and random at

@@ -206,7 +206,7 @@ def test_tiny_inputs(n):
 
 
 def test_span_index_cost_bench_measures_memory_and_finds_the_passages():
-    from sparsex.bench.segment_index_bench import span_index_cost
+    from benchmarks.segment_index_bench import span_index_cost
     rng = np.random.default_rng(3)
     passages = [rng.integers(0, 49152, int(n)).tolist() for n in rng.integers(100, 300, 40)]
     r = span_index_cost(passages, prompt_tokens=(2048,), repeats=2)

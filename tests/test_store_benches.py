@@ -39,7 +39,8 @@ def _table_rows(text: str) -> list[list[str]]:
 @needs_redis
 def test_replica_bench_tiny(tmp_path: Path) -> None:
     proc = _cli("bench", "replicas", "--queries", "2", "--join-queries", "1", "--k", "2", "--num-passages", "4",
-                "--passage-tokens", "150:250", "--prewarm-passes", "1", "--threads", "1", "--no-progress",
+                "--passage-tokens", "150:250", "--prewarm-passes", "1", "--dtype", "float32", "--threads", "1",
+                "--no-progress",
                 "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     result = json.loads((tmp_path / "replicas.json").read_text())
@@ -76,7 +77,8 @@ def test_replica_bench_tiny(tmp_path: Path) -> None:
 @needs_smollm2
 @needs_redis
 def test_store_bench_tiny(tmp_path: Path) -> None:
-    proc = _cli("bench", "store", "--sizes", "64", "--repeats", "1", "--threads", "1", "--out", str(tmp_path))
+    proc = _cli("bench", "store", "--sizes", "64", "--repeats", "1", "--dtype", "float32", "--threads", "1",
+                "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     result = json.loads((tmp_path / "store.json").read_text())
     (size,) = result["sizes"]

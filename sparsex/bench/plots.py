@@ -1,40 +1,22 @@
-"""PNG plots of the workload bench. matplotlib is the optional `bench` extra
-(`pip install sparsex[bench]`), imported only inside the plotting functions; each plotting
-function returns the series it drew, so what a figure shows can be checked against the tables."""
+"""PNG plots of the workload bench's replay (`--plot-dir`; matplotlib: `sparsex.bench.pyplot`); each
+plotting function returns the series it drew, so what a figure shows can be checked against the
+tables. The `--stream` run draws its own plot (`sparsex.bench.stream`)."""
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sparsex.bench.policy_summary import PolicySummary
+from sparsex.bench.pyplot import Series, pyplot
 from sparsex.bench.replay import RequestRecord
 from sparsex.bench.report import horizon
-from sparsex.bench.workload_config import StreamConfig, WorkloadBenchConfig
+from sparsex.bench.workload_config import WorkloadBenchConfig
 
 if TYPE_CHECKING:
     from sparsex.bench.policies import Policy
-    from sparsex.bench.stream import StreamSummary
-
-Series = tuple[list[float], list[float]]      # (x values, y values) of one plotted line
-
-
-def require_matplotlib() -> None:
-    """Fail before any work when plots are asked for and matplotlib is missing."""
-    if importlib.util.find_spec("matplotlib") is None:
-        raise ValueError("plots need matplotlib, which is not installed: pip install sparsex[bench]")
-
-
-def pyplot() -> Any:
-    """matplotlib.pyplot on the headless Agg backend (no display on CI or servers)."""
-    require_matplotlib()
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
 
 
 # ---------------------------------------------------------------- fidelity vs TTFT and compute
@@ -156,37 +138,6 @@ def plot_ttft_cdf(records: list[RequestRecord], policies: list[Policy], path: st
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(f"{cfg.workload}: TTFT CDF, sequential replay ({env['num_requests']} requests)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return series
-
-
-# ---------------------------------------------------------------- stream hit rate
-
-def stream_series(summaries: list[StreamSummary], window: int) -> dict[str, Series]:
-    """Per eviction policy: queries served at the end of each window, and the window's segment hit
-    rate in percent of looked-up tokens."""
-    return {s.eviction: ([min((j + 1) * window, s.num_requests) for j in range(len(s.window_hit_rates))],
-                         [100 * r for r in s.window_hit_rates]) for s in summaries}
-
-
-def plot_stream(summaries: list[StreamSummary], path: str, cfg: StreamConfig, env: dict) -> dict[str, Series]:
-    series = stream_series(summaries, cfg.window)
-    plt = pyplot()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for s in summaries:
-        xs, ys = series[s.eviction]
-        ax.plot(xs, ys, marker="o", ms=3, label=f"{s.eviction} (overall {s.segment_lookup_hit_rate:.1%})")
-    ax.set_xlabel(f"queries served (window = {cfg.window})")
-    ax.set_ylabel("segment hit rate in window (% of looked-up tokens)")
-    ax.set_ylim(0, 100)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    s0 = summaries[0]
-    ax.set_title(f"RAG stream, k={cfg.k}, pool {s0.pool_tokens / s0.corpus_tokens:.0%} of a {s0.corpus_tokens}-token "
-                 f"corpus, Zipf a={cfg.zipf_a}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from sparsex.bench.hf_reference import hf_prefill_seconds, load_hf_reference, model_dir_of
 from sparsex.bench.throughput import random_prompts
+from sparsex.config import EngineConfig
 from sparsex.entrypoints.llm import LLM
 from sparsex.sampling_params import SamplingParams
 
@@ -22,10 +23,10 @@ DEFAULT_LENGTHS = (512, 1024, 2048, 4096)
 
 @dataclass
 class PrefillConfig:
-    model: str = "smollm2-135m-instruct"
+    model: str = EngineConfig.model
     lengths: tuple[int, ...] = DEFAULT_LENGTHS
     repeats: int = 3
-    dtype: str = "bfloat16"
+    dtype: str = EngineConfig.dtype
     seed: int = 0
     hf: bool = True
     hf_full_logits: bool = True       # also time transformers without logits_to_keep
@@ -106,7 +107,7 @@ def format_table(points: list[PrefillPoint]) -> str:
 def save_plot(points: list[PrefillPoint], path: str, title: str) -> None:
     import os
 
-    from sparsex.bench.plots import pyplot
+    from sparsex.bench.pyplot import pyplot
     plt = pyplot()
 
     xs = [p.length for p in points]

@@ -49,21 +49,22 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sparsex.bench import add_threads_arg, command_line, set_threads
-from sparsex.bench.workload_config import DEFAULT_MODEL, MAX_AUTO_BLOCKS, WorkloadBenchConfig, WorkloadParams
+from sparsex.arg_types import int_pair
+from sparsex.bench import add_engine_flag, add_threads_arg, command_line, set_threads
+from sparsex.bench.workload_config import MAX_AUTO_BLOCKS, WorkloadBenchConfig, WorkloadParams
+from sparsex.config import STORE_FETCH_MODES, EngineConfig
 
 if TYPE_CHECKING:
     from sparsex.engine.llm_engine import LLMEngine
     from sparsex.inputs import TokenizedPrompt
 
 SETTINGS = ("none", "one", "islands", "shared")
-FETCH_MODES = ("auto", "always", "never")
 
 
 @dataclass
 class ReplicaBenchConfig:
-    model: str = DEFAULT_MODEL
-    dtype: str = "float32"
+    model: str = EngineConfig.model
+    dtype: str = EngineConfig.dtype
     queries: int = 32                    # the replayed requests (rag queries of the workload bench)
     join_queries: int = 8                # the cold join: the workload's next requests, on a third replica
     k: int = WorkloadParams.k
@@ -73,7 +74,7 @@ class ReplicaBenchConfig:
     seed: int = WorkloadParams.seed
     prewarm_passes: int = WorkloadBenchConfig.prewarm_passes
     num_blocks: int | None = None        # KV pool per replica; default: the corpus twice + 4 requests
-    fetch: str = "auto"                  # EngineConfig.segment_store_fetch of the shared replicas
+    fetch: str = EngineConfig.segment_store_fetch    # of the shared replicas
     redis_server: str | None = None      # redis-server binary; default: on PATH or in /usr/bin, /usr/sbin
     out: str = "replica_bench_out"
     progress: bool = True
@@ -97,8 +98,8 @@ class ReplicaBenchConfig:
             raise ValueError(f"queries must be >= 2 (one request per replica at least), got {self.queries}")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
             raise ValueError(f"num_blocks must be an integer >= 1, got {self.num_blocks!r}")
-        if self.fetch not in FETCH_MODES:
-            raise ValueError(f"fetch must be one of {FETCH_MODES}, got {self.fetch!r}")
+        if self.fetch not in STORE_FETCH_MODES:
+            raise ValueError(f"fetch must be one of {STORE_FETCH_MODES}, got {self.fetch!r}")
         if self.redis_server is not None and not (os.path.isfile(self.redis_server)
                                                   and os.access(self.redis_server, os.X_OK)):
             raise ValueError(f"--redis-server {self.redis_server!r} is not an executable file")
@@ -439,7 +440,7 @@ def markdown(summaries: list[SettingSummary], cfg: ReplicaBenchConfig, env: dict
     pin = f", pinned to core{'s' if pinned and len(pinned) > 1 else ''} {','.join(map(str, pinned))}" \
         if pinned and len(pinned) < (env.get("cores") or 0) else ""
     caption = (f"{env.get('cpu')} ({env.get('cores')} cores), {threads} torch thread{'s' if threads != 1 else ''}"
-               f"{pin}, torch {env.get('torch')}; {cfg.model}, {cfg.dtype}; {env.get('started', '')[:10]}, "
+               f"{pin}, torch {env.get('torch')}; {cfg.model}, {env.get('dtype')}; {env.get('started', '')[:10]}, "
                f"`{env.get('commit')}`; {env.get('wall_seconds')} s wall. rag, explicit segments: {cfg.queries} "
                f"requests of k = {cfg.k} passages ({cfg.passage_tokens[0]}-{cfg.passage_tokens[1]} tokens, Zipf "
                f"{cfg.zipf_a} over {cfg.num_passages}), the corpus ({env.get('corpus_passages')} passages, "
@@ -487,14 +488,6 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
 
 # ---------------------------------------------------------------------------- CLI
 
-def _int_pair(text: str) -> tuple[int, int]:
-    try:
-        lo, hi = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MIN:MAX (integers), got {text!r}") from None
-    return lo, hi
-
-
 def add_replica_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `replicas` under `sparsex bench`; the handler is `run_replica_bench_cli`."""
     d = ReplicaBenchConfig()
@@ -508,18 +501,19 @@ def add_replica_bench_parser(subparsers: argparse._SubParsersAction) -> argparse
     p.add_argument("--queries", type=int, default=d.queries, help="requests replayed over the replicas")
     p.add_argument("--join-queries", type=int, default=d.join_queries,
                    help="the next requests, served by a third replica that joins cold")
-    p.add_argument("--model", default=d.model)
-    p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16"))
+    add_engine_flag(p, "model")
+    add_engine_flag(p, "dtype")
     add_threads_arg(p)
     p.add_argument("--out", default=d.out, help="directory for replicas.json and replicas.md")
     p.add_argument("--redis-server", default=None,
                    help="redis-server binary (default: on PATH, else /usr/bin or /usr/sbin)")
-    p.add_argument("--fetch", default=d.fetch, choices=FETCH_MODES, help="the shared replicas' segment_store_fetch")
+    p.add_argument("--fetch", default=d.fetch, choices=STORE_FETCH_MODES,
+                   help="the shared replicas' segment_store_fetch")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV pool per replica (default: every passage twice + 4 requests, at most the whole run)")
     p.add_argument("--k", type=int, default=d.k, help="passages per query")
     p.add_argument("--num-passages", type=int, default=d.num_passages, help="corpus (Zipf popularity over it)")
-    p.add_argument("--passage-tokens", type=_int_pair, default=d.passage_tokens, help="passage length MIN:MAX")
+    p.add_argument("--passage-tokens", type=int_pair, default=d.passage_tokens, help="passage length MIN:MAX")
     p.add_argument("--zipf-a", type=float, default=d.zipf_a)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--prewarm-passes", type=int, default=d.prewarm_passes,

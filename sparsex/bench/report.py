@@ -139,6 +139,12 @@ def loadavg() -> float:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
 
+def resolved_dtype(dtype: str, device: str = "cpu") -> str:
+    """The dtype the engine runs for `dtype` ("auto" resolved as EngineConfig resolves it), for reports."""
+    from sparsex.config import parse_dtype
+    return str(parse_dtype(dtype, device)).removeprefix("torch.")
+
+
 def environment(model: str, dtype: str, device: str = "cpu") -> dict:
     import torch
     cpu = platform.processor() or "unknown"
@@ -153,7 +159,7 @@ def environment(model: str, dtype: str, device: str = "cpu") -> dict:
     except (OSError, subprocess.SubprocessError):
         commit = None
     gpu = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else None
-    return {"model": model, "dtype": dtype, "device": device, "gpu": gpu, "cpu": cpu, "cores": os.cpu_count(),
-            "torch": torch.__version__,
+    return {"model": model, "dtype": resolved_dtype(dtype, device), "device": device, "gpu": gpu, "cpu": cpu,
+            "cores": os.cpu_count(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "load_avg_start": loadavg(), "commit": commit,
             "python": platform.python_version(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}

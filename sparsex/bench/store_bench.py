@@ -42,9 +42,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from sparsex.bench import add_threads_arg, command_line, set_threads
+from sparsex.bench import add_engine_flag, add_threads_arg, command_line, set_threads
 from sparsex.bench.replica_bench import _release
-from sparsex.bench.workload_config import DEFAULT_MODEL
+from sparsex.config import DTYPES, EngineConfig
 
 if TYPE_CHECKING:
     from sparsex.engine.llm_engine import LLMEngine
@@ -56,9 +56,9 @@ _SMALL_READS = 5             # latency samples for the tier: reads of a missing 
 
 @dataclass
 class StoreBenchConfig:
-    model: str = DEFAULT_MODEL
-    dtype: str = "float32"
-    device: str = "cpu"
+    model: str = EngineConfig.model
+    dtype: str = EngineConfig.dtype
+    device: str = EngineConfig.device
     sizes: tuple[int, ...] = DEFAULT_SIZES
     repeats: int = 5
     redis_server: str | None = None      # redis-server binary; default: on PATH or in /usr/bin, /usr/sbin
@@ -68,8 +68,8 @@ class StoreBenchConfig:
     def verify(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not self.sizes or any(not isinstance(n, int) or n < 2 for n in self.sizes):
             raise ValueError(f"sizes must be token counts >= 2, got {self.sizes!r}")
         if len(set(self.sizes)) != len(self.sizes):
@@ -330,7 +330,8 @@ def markdown(results: dict[int, SizeResult], cfg: StoreBenchConfig, env: dict) -
     pol = env.get("policy", {})
     gpu = f"{env['gpu']} (torch {env.get('torch')}), host: " if env.get("gpu") else ""
     lines = [f"{gpu}{env.get('cpu')} ({env.get('cores')} cores), {threads} torch thread{'s' if threads != 1 else ''}{pin}, "
-             f"torch {env.get('torch')}; {cfg.model}, {cfg.dtype} ({env.get('bytes_per_token'):,} B of KV per token); "
+             f"torch {env.get('torch')}; {cfg.model}, {env.get('dtype')} "
+             f"({env.get('bytes_per_token'):,} B of KV per token); "
              f"{env.get('started', '')[:10]}, `{env.get('commit')}`; {env.get('wall_seconds')} s wall. Median of "
              f"{cfg.repeats} runs after one unmeasured; a local redis-server (loopback) started by the bench.",
              "", f"    {cfg.command or 'sparsex bench store'}", ""]
@@ -397,10 +398,10 @@ def add_store_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.A
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--sizes", type=_sizes, default=d.sizes, help="segment sizes in tokens, comma-separated")
     p.add_argument("--repeats", type=int, default=d.repeats, help="measured runs per timing (median)")
-    p.add_argument("--model", default=d.model)
-    p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--device", default=d.device, choices=("cpu", "cuda"),
-                   help="where the engine runs; cuda pins the host tier (random-weight shapes: dummy:llama3-8b)")
+    add_engine_flag(p, "model")
+    add_engine_flag(p, "dtype")
+    add_engine_flag(p, "device", help="cpu | cuda: where the engine runs; cuda pins the host tier (random-weight "
+                                      "shapes: dummy:llama3-8b)")
     add_threads_arg(p)
     p.add_argument("--out", default=d.out, help="directory for store.json and store.md")
     p.add_argument("--redis-server", default=None,

@@ -1,5 +1,5 @@
 """`--stream`: a long RAG stream on a KV pool smaller than the corpus, once per segment-eviction
-policy: the segment hit rate per window of queries."""
+policy: the segment hit rate per window of queries, as tables and (`--plot-dir`) a plot."""
 from __future__ import annotations
 
 import json
@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 from sparsex.bench.engine_cache import EngineCache
 from sparsex.bench.policy_summary import mean, percentile
+from sparsex.bench.pyplot import Series, pyplot
 from sparsex.bench.replay import progress_bar
 from sparsex.bench.report import environment, jsonable, loadavg, write_csv
 from sparsex.bench.workload_config import StreamConfig
@@ -102,7 +103,6 @@ def run_stream(cfg: StreamConfig) -> list[StreamSummary]:
     with open(os.path.join(cfg.out, "stream_summary.md"), "w") as f:
         f.write(stream_markdown(summaries, cfg))
     if cfg.plot_dir is not None:
-        from sparsex.bench.plots import plot_stream     # plotting is the optional bench extra
         plot_stream(summaries, os.path.join(cfg.plot_dir, "workload_stream_hit_rate.png"), cfg, env)
     return summaries
 
@@ -135,3 +135,32 @@ def stream_markdown(summaries: list[StreamSummary], cfg: StreamConfig) -> str:
             f"{cfg.passage_tokens[1]} tokens (corpus {s0.corpus_tokens} tokens), Zipf a={cfg.zipf_a}, KV pool "
             f"{s0.num_blocks} blocks = {s0.pool_tokens} tokens ({s0.pool_tokens / s0.corpus_tokens:.0%} of the corpus), "
             f"max_tokens={cfg.max_tokens}, default selector\n\n" + "\n".join(lines) + "\n")
+
+
+def stream_series(summaries: list[StreamSummary], window: int) -> dict[str, Series]:
+    """Per eviction policy: queries served at the end of each window, and the window's segment hit
+    rate in percent of looked-up tokens."""
+    return {s.eviction: ([min((j + 1) * window, s.num_requests) for j in range(len(s.window_hit_rates))],
+                         [100 * r for r in s.window_hit_rates]) for s in summaries}
+
+
+def plot_stream(summaries: list[StreamSummary], path: str, cfg: StreamConfig, env: dict) -> dict[str, Series]:
+    series = stream_series(summaries, cfg.window)
+    plt = pyplot()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for s in summaries:
+        xs, ys = series[s.eviction]
+        ax.plot(xs, ys, marker="o", ms=3, label=f"{s.eviction} (overall {s.segment_lookup_hit_rate:.1%})")
+    ax.set_xlabel(f"queries served (window = {cfg.window})")
+    ax.set_ylabel("segment hit rate in window (% of looked-up tokens)")
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    s0 = summaries[0]
+    ax.set_title(f"RAG stream, k={cfg.k}, pool {s0.pool_tokens / s0.corpus_tokens:.0%} of a {s0.corpus_tokens}-token "
+                 f"corpus, Zipf a={cfg.zipf_a}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return series

@@ -12,17 +12,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from sparsex.bench.hf_reference import hf_generate_seconds, load_hf_reference, model_dir_of
+from sparsex.config import EngineConfig
 from sparsex.entrypoints.llm import LLM
 from sparsex.sampling_params import SamplingParams
 
 
 @dataclass
 class ThroughputConfig:
-    model: str = "smollm2-135m-instruct"
+    model: str = EngineConfig.model
     num_prompts: int = 8
     input_len: int = 256
     output_len: int = 128
-    dtype: str = "bfloat16"
+    dtype: str = EngineConfig.dtype
     seed: int = 0
     repeats: int = 1                  # median of this many alternating runs per backend
     warmup: bool = True

@@ -1,6 +1,6 @@
 """End-to-end workload benchmark: cache policies replayed over a RAG, chat or agent workload.
 
-    sparsex bench workload --workload rag --policies none,sparsex --out runs/rag
+    sparsex bench workload --workload rag --policies none,sparsex --dtype float32 --out runs/rag
     sparsex bench workload --workload rag --prompt-form stuffed --policies none,prefix,sparsex --out runs/rag_stuffed
     sparsex bench workload --workload rag --no-prewarm --queries 16 --k 4 --policies none,prefix,naive,sparsex \\
         --out runs/rag_cold --plot-dir runs/rag_cold/img --threads 1
@@ -8,8 +8,9 @@
 
 (also `python -m sparsex.bench.workload_bench ...`). Policies: `sparsex.bench.policies`. The rag
 defaults are the headline configuration of docs/benchmarks.md (96 queries of k = 8 passages, the
-corpus ingested first in three passes, float32, a pool of at most `MAX_AUTO_BLOCKS` blocks), so the
-first command above reproduces it.
+corpus ingested first in three passes, a pool of at most `MAX_AUTO_BLOCKS` blocks), so the first
+command above (float32, as the headline ran) reproduces it. The engine flags (`--model`, `--dtype`, `--device`) are
+EngineConfig's, with its defaults (dtype `auto`: bfloat16 on a GPU and on a CPU with native bf16).
 
 **Prompt forms** (`--prompt-form`, rag and agent; `prompt_forms`): `explicit` sends each unit (passage,
 search result) as a segment; `stuffed`, `question-first` and `llamaindex` send the same units joined
@@ -68,7 +69,8 @@ import sys
 import time
 from typing import Any
 
-from sparsex.bench import add_threads_arg, set_threads
+from sparsex.arg_types import int_pair
+from sparsex.bench import add_engine_flag, add_threads_arg, set_threads
 from sparsex.bench.engine_cache import EngineCache
 from sparsex.bench.peer import run_peer
 from sparsex.bench.plots import plot_pareto, plot_ttft_cdf
@@ -77,7 +79,7 @@ from sparsex.bench.prompt_forms import PROMPT_FORMS
 from sparsex.bench.replay import replay_policy, replay_reference
 from sparsex.bench.report import environment, fidelity_markdown, loadavg, summary_markdown, write_outputs
 from sparsex.bench.stream import run_stream, stream_markdown
-from sparsex.bench.workload_config import (DEFAULT_MODEL, EVICTIONS, MAX_AUTO_BLOCKS, WORKLOADS, StreamConfig,
+from sparsex.bench.workload_config import (EVICTIONS, MAX_AUTO_BLOCKS, WORKLOADS, StreamConfig,
                                            WorkloadBenchConfig, WorkloadParams)
 from sparsex.bench.workload_prompts import (build_workload, ingest_corpus, ingestion_preamble, pool_blocks,
                                             tokenized_workload)
@@ -160,17 +162,7 @@ def run_workload_bench(cfg: WorkloadBenchConfig, engines: EngineCache | None = N
     return summaries
 
 
-
-
 # ============================================================================ CLI
-
-def _int_pair(text: str) -> tuple[int, int]:
-    try:
-        lo, hi = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MIN:MAX (integers), got {text!r}") from None
-    return lo, hi
-
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" unless the help text already says what the default is."""
@@ -196,9 +188,9 @@ def add_workload_bench_parser(subparsers: argparse._SubParsersAction) -> argpars
                         "or SELECTOR:F:RATIO[:BOUNDARY]")
     p.add_argument("--sweep", action="store_true",
                    help="also run recompute_ratio {0..1} x full_layers {0,1,2,4} (Pareto front)")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--device", default="cpu", help="cpu | cuda: where the engines run (rag/chat/agent replays)")
+    add_engine_flag(p, "model")
+    add_engine_flag(p, "dtype")
+    add_engine_flag(p, "device", help="cpu | cuda: where the engines run (rag/chat/agent replays)")
     add_threads_arg(p, help="torch intra-op threads (default: torch's, one per core; on a busy shared CPU, 1 "
                             "is often much faster)")
     p.add_argument("--out", default="workload_bench_out", help="directory for JSON/CSV/markdown")
@@ -229,7 +221,7 @@ def add_workload_bench_parser(subparsers: argparse._SubParsersAction) -> argpars
     g.add_argument("--k", type=int, default=None, help=f"rag passages per query (default {d.k}; stream {StreamConfig.k})")
     g.add_argument("--num-passages", type=int, default=None,
                    help=f"rag corpus (default {d.num_passages}; stream {StreamConfig.num_passages})")
-    g.add_argument("--passage-tokens", type=_int_pair, default=None,
+    g.add_argument("--passage-tokens", type=int_pair, default=None,
                    help="rag passage length MIN:MAX (default 300:500; stream 150:250)")
     g.add_argument("--users", type=int, default=d.users, help="chat users")
     g.add_argument("--turns", type=int, default=d.turns, help="chat turns per user")

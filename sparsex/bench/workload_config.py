@@ -4,9 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparsex.config import EngineConfig
+
 WORKLOADS = ("rag", "chat", "agent")
 EVICTIONS = ("lru", "frequency")
-DEFAULT_MODEL = "smollm2-135m-instruct"
 # KV pool per engine when --num-blocks is not given and the whole workload would need more: 7.4 GB of
 # fp32 KV for SmolLM2-135M (timed engine + fidelity twin: 15 GB), the pool of the rag headline in
 # docs/benchmarks.md (whose workload would occupy 27,758 blocks: the prefix cache evicts, no segment
@@ -19,7 +20,7 @@ class WorkloadParams:
     """Size of the generated workload (`sparsex.bench.workloads`); only the chosen kind's fields apply.
 
     The rag defaults are the headline configuration of docs/benchmarks.md (96 queries of 8 passages;
-    with `WorkloadBenchConfig`'s defaults: prewarm with 3 passes, float32); chat and agent default to
+    with `WorkloadBenchConfig`'s defaults: prewarm with 3 passes; it ran in float32); chat and agent default to
     small runs (4 users x 4 turns; 4 agent sessions) that show their reuse patterns in minutes."""
     queries: int = 96                    # rag
     k: int = 8                           # rag: passages per query
@@ -42,9 +43,9 @@ class WorkloadBenchConfig:
     workload: str = "rag"
     policies: str = ",".join(("none", "prefix", "naive", "epic16", "epic32", "cacheblend", "sparsex"))
     sweep: bool = False
-    model: str = DEFAULT_MODEL
-    dtype: str = "float32"
-    device: str = "cpu"                  # "cuda": replay on a GPU (fidelity at scale; its TTFT is not the CPU's)
+    model: str = EngineConfig.model
+    dtype: str = EngineConfig.dtype
+    device: str = EngineConfig.device    # "cuda": replay on a GPU (fidelity at scale; its TTFT is not the CPU's)
     params: WorkloadParams = field(default_factory=WorkloadParams)
     # how the application lays out the prompt (sparsex.bench.prompt_forms): "explicit" sends each unit
     # as a segment; "stuffed", "question-first", "llamaindex" (rag, agent) send the units joined into
@@ -105,8 +106,8 @@ class WorkloadBenchConfig:
 
 @dataclass
 class StreamConfig:
-    model: str = DEFAULT_MODEL
-    dtype: str = "float32"
+    model: str = EngineConfig.model
+    dtype: str = EngineConfig.dtype
     queries: int = 500
     k: int = 2
     num_passages: int = 200
@@ -138,7 +139,7 @@ class StreamConfig:
 
 def _verify_plot_dir(plot_dir: str | None) -> None:
     if plot_dir is not None:
-        from sparsex.bench.plots import require_matplotlib
+        from sparsex.bench.pyplot import require_matplotlib
         require_matplotlib()
 
 

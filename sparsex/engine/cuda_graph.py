@@ -35,7 +35,8 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class FixedSplitDecodeBackend:
-    """The Triton backend with a fixed split-K count, as a captured graph needs."""
+    """The Triton backend with a fixed split-K count, as a captured graph needs: an `AttentionBackend`
+    (attention_backend_protocol.py) instance."""
 
     name = "triton-graph"
 
@@ -43,13 +44,14 @@ class FixedSplitDecodeBackend:
         self.num_splits = num_splits
 
     @staticmethod
-    def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
         from sparsex.layers.triton_attention import TritonAttentionBackend
         TritonAttentionBackend.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
-    def attention(self, query, k_cache, v_cache, md: AttentionMetadata, scale: float,
-                  key=None, value=None, *, sliding_window: int | None = None,
-                  logits_soft_cap: float | None = None) -> torch.Tensor:
+    def attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
+                  scale: float, key: torch.Tensor | None = None, value: torch.Tensor | None = None, *,
+                  sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
         from sparsex.layers.triton_attention import check_window_and_cap, decode_attention, window_num_splits
         sliding_window, logits_soft_cap = check_window_and_cap(sliding_window, logits_soft_cap)
         # a sliding layer's rows read at most its window: fewer splits (host ints, fixed at capture)

@@ -15,7 +15,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-import sparsex
 from sparsex.entrypoints.async_engine import AsyncLLM, EngineClosedError, EngineDeadError
 from sparsex.entrypoints.auth import APIKeyMiddleware
 from sparsex.entrypoints.errors import APIError, bad_request, error_body, install_error_handlers
@@ -38,6 +37,7 @@ from sparsex.entrypoints.serving_common import ServingContext
 from sparsex.entrypoints.serving_completion import create_completion, segment_pieces
 from sparsex.entrypoints.serving_segments import ingest_segments
 from sparsex.entrypoints.settings import ServerSettings
+from sparsex.version import __version__
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "invalid request"},
@@ -59,7 +59,7 @@ def build_app(async_engine: AsyncLLM, settings: ServerSettings | None = None) ->
         if settings.shutdown_engine:
             await async_engine.shutdown(drain=True)
 
-    app = FastAPI(title="SparseX", version=sparsex.__version__, lifespan=lifespan,
+    app = FastAPI(title="SparseX", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible LLM server with segment-level KV-cache reuse.")
     app.state.ctx = ctx
     install_error_handlers(app)

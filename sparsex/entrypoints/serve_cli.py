@@ -10,31 +10,14 @@ import dataclasses
 import logging
 import os
 import sys
-from typing import Any, Callable
+from typing import Any
 
-from sparsex.config import (EngineConfig, ReuseConfig, check_knob, engine_knob_names, knob_field, knob_meta,
-                            knob_type, reuse_knob_names)
+from sparsex.arg_types import positive_int
+from sparsex.config import EngineConfig, ReuseConfig, engine_knob_names, knob_field, knob_meta, reuse_knob_names
+from sparsex.knob_args import add_knob_arg, knob_help
 
 DEFAULT_MODEL = EngineConfig.model
 ENGINE_GROUP, REUSE_GROUP, ADVANCED_GROUP = "engine", "segment reuse", "advanced segment reuse"
-
-
-def _checked(cls: type, f: dataclasses.Field, parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """An argparse type: `parse`, then the knob's declared choices and bounds (`check_knob`), as a
-    usage error naming the value."""
-    def convert(text: str) -> Any:
-        try:
-            value = parse(text)
-            check_knob(cls, f, value)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-        return value
-    convert.__name__ = parse.__name__        # argparse names the type in "invalid <name> value"
-    return convert
-
-
-def flag_name(field_name: str) -> str:
-    return "--" + field_name.replace("_", "-")
 
 
 def engine_fields(skip: tuple[str, ...] = ("model",)) -> list[tuple[type, dataclasses.Field]]:
@@ -42,25 +25,6 @@ def engine_fields(skip: tuple[str, ...] = ("model",)) -> list[tuple[type, datacl
     out = [(EngineConfig, f) for f in dataclasses.fields(EngineConfig)
            if f.name in engine_knob_names() and f.name not in skip]
     return out + [(ReuseConfig, f) for f in dataclasses.fields(ReuseConfig)]
-
-
-def knob_help(f: dataclasses.Field) -> str:
-    """A knob's --help line: its help text and its default."""
-    shown = "unset" if f.default is None else f.default
-    return f"{knob_meta(f)['help']} (default: {shown})".lstrip()
-
-
-def add_knob_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, name: str) -> None:
-    """The flag of one EngineConfig / ReuseConfig field (`--full-layers` for full_layers), with its
-    type, choices, bounds, default and help from the field. Bool knobs take --X / --no-X."""
-    f = knob_field(cls, name)
-    meta = knob_meta(f)
-    if knob_type(cls, f) is bool:
-        p.add_argument(flag_name(name), dest=name, action=argparse.BooleanOptionalAction, default=f.default,
-                       help=knob_help(f))
-        return
-    p.add_argument(flag_name(name), dest=name, default=f.default, choices=meta["choices"],
-                   type=_checked(cls, f, meta["parse"] or knob_type(cls, f)), help=knob_help(f))
 
 
 def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ("model",)) -> None:
@@ -79,23 +43,13 @@ def engine_knobs(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict[s
     return {n: getattr(args, n) for n in names if hasattr(args, n) and n not in skip}
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return v
-
-
 def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=os.environ.get("SPARSEX_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* and /tokenize (default: $SPARSEX_API_KEY)")
-    g.add_argument("--max-queued-requests", type=_positive_int, default=None,
+    g.add_argument("--max-queued-requests", type=positive_int, default=None,
                    help="answer 503 + Retry-After when this many requests are already waiting")
     g.add_argument("--tenant-header", default=None,
                    help="request header naming the tenant (e.g. X-Tenant-ID): tenants never share cached KV")
@@ -107,7 +61,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model's)")
     g.add_argument("--shutdown-timeout", type=float, default=None,
                    help="on SIGTERM, seconds to wait for in-flight requests before closing them (default: wait)")
-    g.add_argument("--torch-threads", type=_positive_int, default=None,
+    g.add_argument("--torch-threads", type=positive_int, default=None,
                    help="torch intra-op threads (default: torch's choice); lower it on shared machines")
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 

@@ -344,7 +344,8 @@ def _softcapped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 class TorchAttentionBackend:
     """Exact per-row causal attention (optionally sliding-window and softcapped) with torch GEMMs and
-    SDPA, or the native kernels (see the module docstring)."""
+    SDPA, or the native kernels (see the module docstring). An `AttentionBackend`
+    (attention_backend_protocol.py), used as the class."""
 
     name = "torch"
 

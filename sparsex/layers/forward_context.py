@@ -8,6 +8,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from sparsex.layers.attention_backend_protocol import AttentionBackend
 from sparsex.layers.attention_metadata import AttentionMetadata
 
 
@@ -29,7 +30,7 @@ Probe = Callable[..., None]
 class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]   # per layer (k_cache, v_cache)
-    backend: object
+    backend: AttentionBackend
     probe_layers: frozenset[int] = frozenset()
     probe: Probe | None = None
     row_selector: RowSelector | None = None

@@ -645,7 +645,8 @@ def decode_attention(
 
 
 class TritonAttentionBackend:
-    """GPU backend: Triton kernels over the paged cache; same functions as TorchAttentionBackend."""
+    """GPU backend: Triton kernels over the paged cache. An `AttentionBackend`
+    (attention_backend_protocol.py), used as the class, as TorchAttentionBackend is."""
 
     name = "triton"
 

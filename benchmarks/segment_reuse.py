@@ -5,7 +5,7 @@ another order (a priming prompt that stands them at other positions, with anothe
 all of them are segment hits at new positions; the system prompt is an exact prefix hit. The
 question (and the teacher-forced continuation) is new content.
 
-    python -m sparsex.bench.segment_reuse --queries 12 --passages 6 --dtype float32
+    .venv/bin/python benchmarks/segment_reuse.py --queries 12 --passages 6 --dtype float32
 """
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from sparsex.bench import add_engine_flag
 from sparsex.bench.fidelity import FidelityResult, pieces_prompt, reference, run_to_completion, teacher_forced
 from sparsex.bench.flop_model import FlopModel
+from sparsex.bench.report import resolved_dtype
 from sparsex.bench.workloads import rag_workload
 from sparsex.config import EngineConfig, ReuseConfig
 from sparsex.engine.llm_engine import LLMEngine
@@ -72,9 +74,9 @@ def compute_share(res: FidelityResult, flops: FlopModel, full_layers: int) -> fl
 
 def main(argv: list[str] | None = None) -> list[Row]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--device", default="cpu")
+    add_engine_flag(ap, "model")
+    add_engine_flag(ap, "dtype")
+    add_engine_flag(ap, "device")
     ap.add_argument("--queries", type=int, default=12)
     ap.add_argument("--passages", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=24, help="teacher-forced continuation length")
@@ -140,7 +142,8 @@ def ttft_table(args) -> list:
     copy = (sx.runner.timings.blend_copy_s - copy0) / len(pairs)
     base = statistics.mean(o.metrics.ttft for o in res["none"])
     print(f"prompts: {statistics.mean(len(o.prompt_token_ids) for o in res['none']):.0f} tokens on average, "
-          f"{args.passages} passages, {args.queries} queries, {args.dtype}, torch threads {torch.get_num_threads()}")
+          f"{args.passages} passages, {args.queries} queries, {resolved_dtype(args.dtype, args.device)}, "
+          f"torch threads {torch.get_num_threads()}")
     print("| policy | TTFT mean | vs none | prefix-hit tokens | segment-reused | recomputed | compute share |")
     print("|---|---|---|---|---|---|---|")
     F = engines["sparsex"].config.reuse.full_layers

@@ -13,7 +13,7 @@ workload), the rest are one-off novel passages (never seen again). A miss alloca
 blocks from a pool that holds only a fraction of the corpus, which may evict entries. Reported: the
 segment hit rate (tokens) of the reusable passages over time, per policy.
 
-    python -m sparsex.bench.segment_index_bench [--sections index,spans,stream]
+    .venv/bin/python benchmarks/segment_index_bench.py [--sections index,spans,stream]
 """
 from __future__ import annotations
 
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     if not sections or sections - {"index", "spans", "stream"}:
         ap.error(f"--sections: choose from index, spans, stream; got {args.sections!r}")
     if args.plot:
-        from sparsex.bench.plots import require_matplotlib
+        from sparsex.bench.pyplot import require_matplotlib
         try:
             require_matplotlib()
         except ValueError as e:
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     for policy, c in curves.items():
         print(f"| {policy} | {100*c[0]:.1f}% | {100*c[-1]:.1f}% | {100*sum(c)/len(c):.1f}% |")
     if args.plot:
-        from sparsex.bench.plots import pyplot
+        from sparsex.bench.pyplot import pyplot
         plt = pyplot()
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for policy, c in curves.items():
