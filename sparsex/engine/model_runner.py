@@ -28,6 +28,7 @@ from sparsex.engine.scheduler import SchedulerOutput
 from sparsex.segment.step_blend import BlendResult, LayerPointerCache, StepBlend
 from sparsex.layers import cpu_kernels
 from sparsex.layers.attention_backend import TorchAttentionBackend
+from sparsex.layers.attention_backend_protocol import AttentionBackend
 from sparsex.layers.attention_metadata import AttentionMetadata
 from sparsex.models.moe import SparseMoeBlock
 from sparsex.layers.packed_linear import prepack_supported
@@ -66,7 +67,7 @@ def _init_random(model: torch.nn.Module, seed: int) -> None:
             p.normal_(0.0, 0.02, generator=gen)
 
 
-def _attention_backend(device: torch.device):
+def _attention_backend(device: torch.device) -> AttentionBackend:
     if device.type == "cuda":
         from sparsex.layers.triton_attention import TritonAttentionBackend
         return TritonAttentionBackend

@@ -30,7 +30,7 @@ import numpy as np
 
 from sparsex.config import ReuseConfig
 from sparsex.outputs import ReusedSpan
-from sparsex.request import Request
+from sparsex.segment.segment_request import SegmentRequest
 from sparsex.segment.reuse_plan import ReusePlan, ReuseRecord, SpanHit
 from sparsex.segment.segment_index import SegmentEntry, SegmentIndex
 from sparsex.segment.segment_tiers import SegmentTiers
@@ -46,7 +46,7 @@ class ReusePlanner:
         self.num_plans = 0        # plans made (locked)
         self.num_released = 0
 
-    def plan(self, req: Request, num_exact_hit: int, num_approx: int, search: bool = True) -> ReuseRecord:
+    def plan(self, req: SegmentRequest, num_exact_hit: int, num_approx: int, search: bool = True) -> ReuseRecord:
         """`req`'s reuse for this admission: after its first `num_exact_hit` exact and `num_approx`
         approximate-chain prefix tokens, the spans it blends (`record.plan`, locked until
         `release`; None: computed exactly). `search=False` (the request reads no cache) finds nothing."""
@@ -66,7 +66,7 @@ class ReusePlanner:
             self.num_plans += 1
         return record
 
-    def _find(self, req: Request, num_prefix_hit: int) -> ReuseRecord:
+    def _find(self, req: SegmentRequest, num_prefix_hit: int) -> ReuseRecord:
         """The spans `req` could blend after `num_prefix_hit` tokens, and why found ones are not used."""
         reuse = req.reuse
         hits: list[SpanHit] = []
@@ -130,7 +130,7 @@ class ReusePlanner:
         # too little to blend: computed exactly
         return ReuseRecord(plan=plan if blends else None, skipped="; ".join(reasons) or None, num_query_tokens=queried)
 
-    def _fetch_missing(self, req: Request, num_prefix_hit: int, end: int) -> None:
+    def _fetch_missing(self, req: SegmentRequest, num_prefix_hit: int, end: int) -> None:
         """Segments of `req` the device does not hold, brought in from the tiers below it (host
         memory, the shared store) as ordinary entries, before the request is planned."""
         toks, reuse = req.prompt_token_ids, req.reuse
@@ -141,7 +141,7 @@ class ReusePlanner:
             return
         self.store.load([(m, req.cache_salt) for m in missing], self.index)
 
-    def admit(self, req: Request, record: ReuseRecord) -> None:
+    def admit(self, req: SegmentRequest, record: ReuseRecord) -> None:
         """The scheduler admitted `req` with `record`: attach it, and count its lookups once (a
         request that waits is planned again at each step)."""
         hits = record.plan.hits if record.plan is not None else ()

@@ -26,7 +26,7 @@ from sparsex.cache.device_kv import DeviceKV
 from sparsex.cache.slot_mapping import block_ids, slot_mapping
 from sparsex.inputs import SegmentSpan
 from sparsex.layers.triton_rerotate import merge_rerotated_all_layers_torch
-from sparsex.request import Request
+from sparsex.segment.segment_request import SegmentRequest
 from sparsex.segment.reuse_planner import early, too_early_for
 from sparsex.segment.segment_index import SegmentEntry, SegmentIndex
 from sparsex.segment.segment_tiers import SegmentTiers
@@ -39,7 +39,7 @@ class SegmentRegistrar:
         self.block_size = kv.block_size
         self.store = store        # new entries and merges go there too (None: no tier below)
 
-    def register_if_prefilled(self, req: Request) -> None:
+    def register_if_prefilled(self, req: SegmentRequest) -> None:
         """Once the request's prompt is computed, register its segments (once per request; the one
         writer of `Request.segments_registered`)."""
         if req.segments_registered or req.num_computed_tokens < req.num_prompt_tokens:
@@ -47,7 +47,7 @@ class SegmentRegistrar:
         req.segments_registered = True
         self.register(req)
 
-    def register(self, req: Request) -> None:
+    def register(self, req: SegmentRequest) -> None:
         """Index the request's segments that are not in the index yet (KV already in its blocks),
         replace early encodings it recomputed with more context, and merge the encodings it
         computed exactly into the entries that already hold those segments."""
@@ -83,7 +83,7 @@ class SegmentRegistrar:
                     if stop - start >= reuse.min_segment_tokens:
                         self.index.insert(toks[start:stop], req.cache_salt, req.blocks, start, explicit=False)
 
-    def _merge(self, entry: SegmentEntry, req: Request, span: SegmentSpan) -> None:
+    def _merge(self, entry: SegmentEntry, req: SegmentRequest, span: SegmentSpan) -> None:
         """Merged encodings: the entry's KV becomes the running mean of its encodings and this one
         (keys re-rotated to the entry's positions). An entry that shares its blocks (usually also
         exact prefix-cache blocks, whose KV must stay exact) gets blocks of its own, the new mean

@@ -47,7 +47,7 @@ from sparsex.config import ReuseConfig
 from sparsex.layers import triton_probe
 from sparsex.layers.forward_context import ForwardContext
 from sparsex.layers.triton_rerotate import LayerPointers, copy_and_rerotate_all_layers_torch, copy_and_rerotate_layers
-from sparsex.request import Request
+from sparsex.segment.segment_request import SegmentRequest
 from sparsex.segment import selectors
 from sparsex.segment.reuse_plan import ReusePlan
 
@@ -63,7 +63,7 @@ class BlendResult:
 @dataclass
 class _SeqBlend:
     """One blended sequence inside the current step."""
-    request: Request
+    request: SegmentRequest
     reuse: ReuseConfig
     reused_rows: torch.Tensor          # [R] rows of the step batch (original indexing)
     reused_pos: torch.Tensor           # [R] absolute positions
@@ -221,7 +221,7 @@ class StepBlend:
         self.copy_seconds += time.perf_counter() - t0
 
     @staticmethod
-    def _query_rows(req: Request, reused_pos: np.ndarray, pos0: int, row0: int, num_rows: int) -> np.ndarray:
+    def _query_rows(req: SegmentRequest, reused_pos: np.ndarray, pos0: int, row0: int, num_rows: int) -> np.ndarray:
         """sparse_q's query side: the step's last new rows (the question and the template glue around
         it), not every new row: passages that missed the cache are new rows too, and all of them
         would make the score matrix [heads, new rows, keys] GBs for no better signal."""
