@@ -69,11 +69,11 @@ from sparsex.bench.prompt_forms import served_mask
 from sparsex.bench.report import resolved_dtype
 from sparsex.bench.stats import Interval, bootstrap_mean
 from sparsex.bench.workloads import AGENT_SYSTEM_PROMPT, CHAT_SYSTEM_PROMPTS, FOLLOW_UPS, split_sentences
-from sparsex.config import DTYPES, EngineConfig
+from sparsex.config import CACHE_MODES, DTYPES, EngineConfig
 from sparsex.inputs import TokenizedPrompt, chat_prompt
 
 KINDS = ("chat", "agent")
-CACHES = ("none", "prefix", "sparsex")
+CACHES = CACHE_MODES
 TARGET_SHARE = 0.9           # share of unchanged tokens to serve from cache (the requirement)
 MAX_EDIT_TOKENS = 4          # a chat edit changes at most this many tokens (redrawn otherwise)
 MIN_EXCHANGES = 3            # chat: user/assistant exchanges before the last user message, at least

@@ -4,10 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparsex.config import EngineConfig
+from sparsex.config import SEGMENT_EVICTION, EngineConfig
 
 WORKLOADS = ("rag", "chat", "agent")
-EVICTIONS = ("lru", "frequency")
+EVICTIONS = SEGMENT_EVICTION       # the stream runs each, in this order
 # KV pool per engine when --num-blocks is not given and the whole workload would need more: 7.4 GB of
 # fp32 KV for SmolLM2-135M (timed engine + fidelity twin: 15 GB), the pool of the rag headline in
 # docs/benchmarks.md (whose workload would occupy 27,758 blocks: the prefix cache evicts, no segment
