@@ -16,6 +16,8 @@ from sparsex.demo import DemoConfig
 from sparsex.entrypoints.protocol import ReuseOptions
 from sparsex.entrypoints.serve_cli import ADVANCED_GROUP, engine_config, engine_knobs, flag_name
 
+pytestmark = pytest.mark.unit
+
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
 KNOBS = [(EngineConfig, n) for n in engine_knob_names()] + [(ReuseConfig, n) for n in reuse_knob_names()]
 
