@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:  `make demo`  and  `make test`.
-# `make test-fast` runs the tests that load no model (pytest -m unit; marks in tests/conftest.py).
+# `make test-fast` runs the tests that load no model (pytest -m unit; each test file declares its lanes).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip

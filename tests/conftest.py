@@ -1,20 +1,30 @@
-"""Shared fixtures (the real SmolLM2 model, loaded once per session, and engine factories) and the
-test lanes: a test is `unit` unless it loads the model (`model`) or needs CUDA (`gpu`); `bench` marks
-the `model` tests that run a workload benchmark.
+"""Shared fixtures (the real SmolLM2 model and engines on it, each built once per session) and the
+guard on the test lanes.
 
-    unit   loads no model: block pool, hashing, index, scheduler with a stub, protocol validation,
-           selectors on synthetic tensors, config checks. `make test-fast` runs `pytest -m unit`.
-    model  loads the real SmolLM2 (or transformers' model on its weights), in a fixture or its body.
-    bench  runs a workload benchmark on the model.
+Every test declares its lane where it is written: `pytestmark = pytest.mark.unit` for a whole module,
+or `@pytest.mark.model` (etc.) on each test where a module mixes lanes.
+
+    unit   loads no model and needs no CUDA: block pool, hashing, index, scheduler with a stub,
+           protocol validation, selectors on synthetic tensors, config checks. `make test-fast` runs
+           `pytest -m unit`.
+    model  loads a model: the real SmolLM2 or Gemma (sparsex.models.loader.load_model), an engine on
+           any model (LLM / LLMEngine), or a transformers model through from_pretrained.
+    bench  runs a workload benchmark on the model (`model` too: the guard adds that mark).
     gpu    needs CUDA (skipped without it).
 
-The marks are assigned here, from what a test uses, so test files need no marks of their own.
+The guard holds the marks to what the tests do: a `unit` test that loads a model or initialises CUDA
+fails with a message naming what it did, and so does a test that carries no lane mark (it is added to
+every `-m unit` selection so that the fast lane reports it too). At the end of a run the summary says
+how many engines and model loads the run made in this process.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-from pathlib import Path
+import functools
+import re
+import sys
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -24,45 +34,159 @@ from sparsex import LLM
 _LIBC_NAME = ctypes.util.find_library("c")
 _MALLOC_TRIM = getattr(ctypes.CDLL(_LIBC_NAME), "malloc_trim", None) if _LIBC_NAME else None   # glibc only
 
+pytest_plugins = ("pytester",)        # tests/test_lanes.py runs the guard on a suite of its own
 
-# Fixtures that load the model or build an engine on it, where they are defined. A test that uses any
-# of them (directly or through another fixture: `item.fixturenames` is the closure) is `model`.
-MODEL_FIXTURES = frozenset({
-    "smollm2", "hf_model", "llm_prefix", "llm_none",   # this file
-    "fresh_smollm2", "gemma3_gguf", "gemma3_dir",       # test_loader.py
-    "gemma3",                                           # test_hf_parity.py
-    "server", "strict", "offline",                      # test_server.py
-    "engines",                                          # test_workload_bench.py
-    "serve_process",                                    # test_server_cli.py
-    "demo_report",                                      # test_demo.py
-})
-# Tests that load the model in their own body (or in a subprocess), by module.
-MODEL_TESTS = {
-    "test_cli.py": {"test_generate_prints_text_and_stats", "test_generate_chat_with_segment_cache",
-                    "test_demo_quick_runs_end_to_end", "test_bench_throughput_and_prefill_tiny"},
-    "test_workload_bench.py": {"test_stream_end_to_end", "test_peer_vllm_exports_the_workload_and_prints_instructions"},
-    "test_loader.py": {"test_qwen_coder_loads"},
-    "test_store_benches.py": {"test_replica_bench_tiny", "test_store_bench_tiny"},
-}
-MODEL_MODULES = {"test_gpu_engine.py", "test_readme.py", "test_replicas_nginx.py"}  # every test in them loads the model
-BENCH_MODULES = {"test_workload_bench.py", "test_store_benches.py"}   # their `model` tests run a benchmark
-BENCH_TESTS = {"test_cli.py": {"test_bench_throughput_and_prefill_tiny"}}
-GPU_MODULES = {"test_gpu_engine.py", "test_triton_kernels.py"}
+LANES = ("unit", "model", "bench", "gpu")
+_NO_LANE = pytest.StashKey[bool]()
+_CUDA_REASON = re.compile(r"\b(cuda|gpu)\b", re.IGNORECASE)
 
 
+@dataclass
+class ModelLoadTally:
+    """What the run loaded, and which `unit` test (if any) is running now.
+
+    `loading_fixtures` names the fixtures (by their definition) whose set-up loaded a model: a `unit`
+    test that uses one fails even when the fixture was built earlier by another test and is cached."""
+    engines: int = 0
+    model_loads: int = 0
+    unit_item: pytest.Item | None = None
+    fixture_stack: list[pytest.FixtureDef] = field(default_factory=list)
+    loading_fixtures: set[tuple[str, str]] = field(default_factory=set)
+
+    def loaded(self, what: str) -> None:
+        """A model was loaded: fail the `unit` test in progress (a load that raised is no load)."""
+        for fixturedef in self.fixture_stack:
+            self.loading_fixtures.add(_fixture_key(fixturedef))
+        if self.unit_item is not None:
+            item, self.unit_item = self.unit_item, None        # one failure per test, even if it catches ours
+            pytest.fail(f"{item.nodeid} is marked unit but {what}: mark it model", pytrace=False)
+
+    def needs_cuda(self, what: str) -> None:
+        if self.unit_item is not None:
+            item, self.unit_item = self.unit_item, None
+            pytest.fail(f"{item.nodeid} is marked unit but {what}: mark it gpu", pytrace=False)
+
+
+TALLY = ModelLoadTally()
+
+
+def _fixture_key(fixturedef: pytest.FixtureDef) -> tuple[str, str]:
+    return fixturedef.baseid, fixturedef.argname
+
+
+def _wrap_load_model(loader) -> None:
+    original = loader.load_model
+
+    @functools.wraps(original)
+    def load_model(model=loader.DEFAULT_MODEL, *args, **kwargs):
+        loaded = original(model, *args, **kwargs)
+        TALLY.model_loads += 1
+        if loaded.model_dir is not None:                  # a dummy model (random weights) reads no files
+            TALLY.loaded(f"loads the model {model!r} (load_model)")
+        return loaded
+
+    for module in list(sys.modules.values()):           # the modules that bound it by name at their import
+        if getattr(module, "load_model", None) is original:
+            module.load_model = load_model
+
+
+def _wrap_engine(engine_cls) -> None:
+    original = engine_cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        TALLY.engines += 1
+        TALLY.loaded(f"builds an engine on {self.model_name!r} (LLMEngine)")
+
+    engine_cls.__init__ = __init__
+
+
+def _wrap_from_pretrained(model_cls) -> None:
+    original = model_cls.from_pretrained.__func__
+
+    @functools.wraps(original)
+    def from_pretrained(cls, *args, **kwargs):
+        model = original(cls, *args, **kwargs)
+        TALLY.loaded(f"loads {args[0] if args else ''!s} with transformers' from_pretrained")
+        return model
+
+    model_cls.from_pretrained = classmethod(from_pretrained)
+
+
+def _wrap_cuda_init() -> None:
+    original = torch.cuda._lazy_init
+
+    @functools.wraps(original)
+    def _lazy_init():
+        TALLY.needs_cuda("initialises CUDA")
+        return original()
+
+    torch.cuda._lazy_init = _lazy_init
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from transformers import PreTrainedModel
+
+    import sparsex.models.loader as loader
+    from sparsex.engine.llm_engine import LLMEngine
+    _wrap_load_model(loader)
+    _wrap_engine(LLMEngine)
+    _wrap_from_pretrained(PreTrainedModel)
+    _wrap_cuda_init()
+
+
+@pytest.hookimpl(tryfirst=True)       # before `-m` deselects: a test without a lane joins `-m unit` and fails there
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        module = Path(str(item.fspath)).name
-        name = getattr(item, "originalname", item.name)       # without the parametrize suffix
-        is_model = (module in MODEL_MODULES or name in MODEL_TESTS.get(module, ())
-                    or not MODEL_FIXTURES.isdisjoint(item.fixturenames))
-        is_bench = is_model and (module in BENCH_MODULES or name in BENCH_TESTS.get(module, ()))
-        is_gpu = module in GPU_MODULES
-        for mark, on in (("model", is_model), ("bench", is_bench), ("gpu", is_gpu)):
-            if on:
-                item.add_marker(mark)
-        if not (is_model or is_gpu):
+        if item.get_closest_marker("bench"):
+            item.add_marker("model")                      # a benchmark runs on the model: `-m model` takes it
+        if not any(item.get_closest_marker(lane) for lane in LANES):
+            item.stash[_NO_LANE] = True
             item.add_marker("unit")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.stash.get(_NO_LANE, False):
+        pytest.fail(f"{item.nodeid} carries no lane mark: mark it one of {', '.join(LANES)} "
+                    f"(pytestmark in its module, or a mark on the test)", pytrace=False)
+    if item.get_closest_marker("unit") is None:
+        return
+    other = [lane for lane in LANES[1:] if item.get_closest_marker(lane)]
+    if other:
+        pytest.fail(f"{item.nodeid} is marked unit and {', '.join(other)}: a test has one lane", pytrace=False)
+    if not torch.cuda.is_available():
+        for mark in item.iter_markers("skipif"):
+            reason = mark.kwargs.get("reason", "")
+            if mark.args and mark.args[0] is True and _CUDA_REASON.search(reason):
+                pytest.fail(f"{item.nodeid} is marked unit but is skipped for want of CUDA ({reason!r}): "
+                            f"mark it gpu", pytrace=False)
+    fixturedefs = item._fixtureinfo.name2fixturedefs          # every fixture in the test's closure
+    for name in item.fixturenames:
+        if name in fixturedefs and _fixture_key(fixturedefs[name][-1]) in TALLY.loading_fixtures:
+            pytest.fail(f"{item.nodeid} is marked unit but uses the fixture {name!r}, which loads a model: "
+                        f"mark it model", pytrace=False)
+    TALLY.unit_item = item
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
+    TALLY.fixture_stack.append(fixturedef)
+    try:
+        return (yield)
+    finally:
+        TALLY.fixture_stack.pop()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    TALLY.unit_item = None
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    terminalreporter.write_line(f"engines built: {TALLY.engines} (LLMEngine constructions); "
+                                f"model loads: {TALLY.model_loads} (load_model calls), in this process")
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,8 @@ import pytest
 
 from sparsex.arg_types import int_pair, length_list, non_negative_float, positive_int
 
+pytestmark = pytest.mark.unit
+
 
 def test_good_values_parse():
     assert positive_int("3") == 3

@@ -19,6 +19,8 @@ from sparsex.layers import cpu_kernels
 from sparsex.layers.attention_backend import TorchAttentionBackend
 from sparsex.layers.attention_metadata import AttentionMetadata
 
+pytestmark = pytest.mark.unit
+
 H, KVH, D, BS = 6, 2, 16, 4
 
 

@@ -17,6 +17,8 @@ from sparsex.engine.cuda_graph import FixedSplitDecodeBackend
 from sparsex.layers.attention_backend import TorchAttentionBackend
 from sparsex.layers.attention_backend_protocol import AttentionBackend
 
+pytestmark = pytest.mark.unit
+
 METHODS = ("store_kv", "attention")
 
 

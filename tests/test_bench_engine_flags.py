@@ -14,6 +14,8 @@ from sparsex.bench.throughput import ThroughputConfig
 from sparsex.bench.workload_config import StreamConfig, WorkloadBenchConfig
 from sparsex.config import EngineConfig
 
+pytestmark = pytest.mark.unit
+
 # each command, with the arguments it requires, and the engine flags it has
 COMMANDS = {"workload": ([], ("model", "dtype", "device")), "edit": (["--out", "x"], ("model", "dtype")),
             "replicas": ([], ("model", "dtype")), "store": ([], ("model", "dtype", "device"))}

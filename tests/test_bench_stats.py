@@ -14,6 +14,8 @@ from sparsex.bench.policy_summary import compare_to_default, summarize
 from sparsex.bench.replay import RequestRecord, _through_eos
 from sparsex.bench.report import fidelity_markdown
 
+pytestmark = pytest.mark.unit
+
 
 def test_constant_sample_has_a_point_interval() -> None:
     ci = stats.bootstrap_mean([0.25] * 7)

@@ -10,6 +10,8 @@ import torch
 from sparsex.config import ReuseConfig
 from sparsex.segment.step_blend import StepBlend, _SeqBlend, _true_indices
 
+pytestmark = pytest.mark.unit
+
 
 def _blend(seg_lens: list[int], reuse: ReuseConfig, seed: int) -> _SeqBlend:
     g = torch.Generator().manual_seed(seed)

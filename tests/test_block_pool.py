@@ -10,6 +10,8 @@ from sparsex.config import ReuseConfig
 from sparsex.request import Request
 from sparsex.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.unit
+
 
 def _req(rid: str, tokens: list[int], salt: str | None = None) -> Request:
     return Request(rid, tokens, SamplingParams(max_tokens=4), 0.0, cache_salt=salt)

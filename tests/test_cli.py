@@ -40,6 +40,7 @@ def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None
 # ---------------------------------------------------------------- end to end (real model)
 
 
+@pytest.mark.model
 @needs_smollm2
 def test_generate_prints_text_and_stats() -> None:
     proc = run_cli("generate", "The capital of France is", "--max-tokens", "6", "--threads", "1")
@@ -53,6 +54,7 @@ def test_generate_prints_text_and_stats() -> None:
     assert re.search(r"generated tokens:\s+\d+ \(finish: (length|stop)\)", stats), out
 
 
+@pytest.mark.model
 @needs_smollm2
 def test_generate_chat_with_segment_cache() -> None:
     proc = run_cli("generate", "Name a planet.", "--chat", "--system", "Answer in one word.", "--cache", "sparsex",
@@ -61,6 +63,7 @@ def test_generate_chat_with_segment_cache() -> None:
     assert "cache=sparsex" in proc.stdout and "float32" in proc.stdout
 
 
+@pytest.mark.model
 @needs_smollm2
 def test_demo_quick_runs_end_to_end() -> None:
     # the entry point and its flags; what the demo computes is checked on data in test_demo.py
@@ -69,6 +72,7 @@ def test_demo_quick_runs_end_to_end() -> None:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.bench
 @needs_smollm2
 def test_bench_throughput_and_prefill_tiny(tmp_path: Path) -> None:
     proc = run_cli("bench", "throughput", "--num-prompts", "2", "--input-len", "16", "--output-len", "4",
@@ -89,16 +93,19 @@ def test_bench_throughput_and_prefill_tiny(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- argument errors
 
 
+@pytest.mark.unit
 @needs_smollm2
 def test_unknown_model_is_a_clean_error() -> None:
     assert_clean_error(run_cli("generate", "hi", "--model", "no-such-model"), "unknown model 'no-such-model'")
     assert_clean_error(run_cli("demo", "--model", "./missing/dir"), "does not exist")
 
 
+@pytest.mark.unit
 def test_max_tokens_zero_is_a_clean_error() -> None:
     assert_clean_error(run_cli("generate", "hi", "--max-tokens", "0"), "--max-tokens", "must be an integer >= 1")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("argv, needle", [
     (["generate", "hi", "--temperature", "-1"], "--temperature"),
     (["generate", "hi", "--temperature", "nan"], "--temperature"),
@@ -119,11 +126,13 @@ def test_bad_arguments_exit_2(argv: list[str], needle: str, capsys: pytest.Captu
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_missing_command_is_a_usage_error() -> None:
     assert_clean_error(run_cli(), "usage:")
     assert_clean_error(run_cli("bench"), "usage:")
 
 
+@pytest.mark.unit
 def test_engine_value_error_becomes_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     def boom(_args: argparse.Namespace) -> int:
         raise ValueError("prompt has 9000 tokens; max_model_len is 8192")
@@ -137,6 +146,7 @@ def test_engine_value_error_becomes_one_line(monkeypatch: pytest.MonkeyPatch, ca
 # ---------------------------------------------------------------- subcommands and engine flags
 
 
+@pytest.mark.unit
 def test_bench_and_serve_subcommands_are_wired() -> None:
     parser = cli.build_parser()
     from sparsex.bench.serve_bench import run_serve_bench
@@ -147,6 +157,7 @@ def test_bench_and_serve_subcommands_are_wired() -> None:
     assert parser.parse_args(["bench", "workload", "--out", "x"]).func is run_workload_bench_cli
 
 
+@pytest.mark.unit
 def test_generate_takes_every_engine_flag() -> None:
     from sparsex.entrypoints.serve_cli import engine_knobs
     args = cli.build_parser().parse_args(["generate", "hi", "--min-blend-tokens", "0", "--selector", "boundary",
@@ -156,6 +167,7 @@ def test_generate_takes_every_engine_flag() -> None:
     assert knobs["model"] == "dummy:smollm2-135m" and knobs["cache"] == "sparsex" and knobs["dtype"] == "auto"
 
 
+@pytest.mark.unit
 def test_zero_threads_is_a_usage_error_for_every_subcommand(capsys) -> None:
     from sparsex import cli
     for argv in (["bench", "workload", "--threads", "0"], ["bench", "edit", "--threads", "0"]):

@@ -24,6 +24,8 @@ from sparsex.knob_args import flag_name
 
 pytestmark = pytest.mark.unit
 
+pytestmark = pytest.mark.unit
+
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
 KNOBS = [(EngineConfig, n) for n in engine_knob_names()] + [(ReuseConfig, n) for n in reuse_knob_names()]
 

@@ -23,6 +23,8 @@ from sparsex.layers.attention_metadata import AttentionMetadata
 from sparsex.layers.layernorm import RMSNorm
 from sparsex.layers.rotary_embedding import RotaryEmbedding, rotate
 
+pytestmark = pytest.mark.unit
+
 DTYPES = [torch.float32, torch.bfloat16]
 
 

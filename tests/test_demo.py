@@ -18,6 +18,7 @@ def demo_report() -> DemoReport:
     return report
 
 
+@pytest.mark.model
 def test_rows_are_the_request_outputs_counters(demo_report: DemoReport) -> None:
     rep = demo_report
     assert len(rep.rows) == len(rep.outputs) == len(rep.full_outputs) == DemoConfig(quick=True).num_questions
@@ -31,6 +32,7 @@ def test_rows_are_the_request_outputs_counters(demo_report: DemoReport) -> None:
         assert row.same_answer == (out.outputs[0].text.strip() == full.outputs[0].text.strip())
 
 
+@pytest.mark.model
 def test_the_printed_table_is_built_from_the_rows(demo_report: DemoReport) -> None:
     rows = demo_report.rows
     table = demo_table(rows, "sparsex")
@@ -43,6 +45,7 @@ def test_the_printed_table_is_built_from_the_rows(demo_report: DemoReport) -> No
     assert columns["same\nanswer"][-1] == f"{sum(bool(r.same_answer) for r in rows)}/{len(rows)}"
 
 
+@pytest.mark.model
 def test_questions_reuse_the_ingested_passages(demo_report: DemoReport) -> None:
     outs = demo_report.outputs
     assert any(o.num_reused_tokens > 0 for o in outs), [o.reuse_skipped for o in outs]
@@ -55,12 +58,14 @@ def test_questions_reuse_the_ingested_passages(demo_report: DemoReport) -> None:
             assert o.num_recomputed_tokens < o.num_reused_tokens / 2
 
 
+@pytest.mark.model
 def test_the_reference_is_a_full_prefill_of_the_same_prompts(demo_report: DemoReport) -> None:
     for out, full in zip(demo_report.outputs, demo_report.full_outputs):
         assert full.prompt_token_ids == out.prompt_token_ids
         assert full.num_cached_tokens == full.num_reused_tokens == full.num_recomputed_tokens == 0
 
 
+@pytest.mark.unit
 def test_bad_config_is_a_value_error() -> None:
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match=f"max-tokens must be an integer >= 1, got {bad!r}"):

@@ -7,6 +7,8 @@ import pytest
 
 from sparsex.engine.detokenizer import IncrementalDetokenizer
 
+pytestmark = pytest.mark.model
+
 TEXTS = [
     "Plain ASCII, with punctuation: commas, (parens) and 'quotes'.",
     "Multi-byte: naïve café, Zürich, 東京タワー, 🙂🚀 emoji split over byte tokens.",

@@ -25,6 +25,7 @@ def prompts(tok, cases):
 
 # ---------------------------------------------------------------------------- cases
 
+@pytest.mark.unit
 def test_chat_case_edits_one_earlier_message_in_a_few_tokens(tok):
     cases = er.chat_cases(tok, 4, seed=0)
     for case, cp in zip(cases, prompts(tok, cases)):
@@ -51,6 +52,7 @@ def test_chat_case_edits_one_earlier_message_in_a_few_tokens(tok):
         assert 0 < start and end - start <= er.MAX_EDIT_TOKENS
 
 
+@pytest.mark.unit
 def test_agent_case_differs_only_in_timestamp_and_request_id(tok):
     cases = er.agent_cases(tok, 3, seed=0)
     for case, cp in zip(cases, prompts(tok, cases)):
@@ -78,6 +80,7 @@ def test_agent_case_differs_only_in_timestamp_and_request_id(tok):
         assert cp.num_edit_tokens <= 40
 
 
+@pytest.mark.unit
 def test_cases_are_deterministic_for_a_seed(tok):
     a = er.build_cases(tok, er.KINDS, 2, seed=3)
     b = er.build_cases(tok, er.KINDS, 2, seed=3)
@@ -86,6 +89,7 @@ def test_cases_are_deterministic_for_a_seed(tok):
     assert a != c
 
 
+@pytest.mark.unit
 def test_token_diff_and_served_mask_on_known_ids():
     first = list(range(10, 30))                                  # 20 tokens
     second = first[:7] + [99, 98] + first[8:] + [5, 6, 7]       # token 7 replaced by two, then 3 new tokens
@@ -106,6 +110,7 @@ def _record(kind: str, cache: str, unchanged: int, served: int) -> er.CaseRecord
                          match_len=16, fidelity_tokens=16)
 
 
+@pytest.mark.unit
 def test_summary_weights_tokens_and_flags_the_target():
     recs = [_record("chat", "sparsex", 1000, 950), _record("chat", "sparsex", 100, 50),
             _record("agent", "sparsex", 1000, 990)]
@@ -119,6 +124,7 @@ def test_summary_weights_tokens_and_flags_the_target():
         er.summarize(recs, "chat", "prefix")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("make, match", [
     (lambda: er.parse_names("chat,foo", er.KINDS, "--kinds"), "'foo'"),
     (lambda: er.parse_names("prefix,prefix", er.CACHES, "--caches"), "repeated"),
@@ -136,6 +142,7 @@ def test_bad_arguments_raise_value_errors_naming_the_value(make, match):
         make()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("argv, match", [
     (["--kinds", "chat,nope"], "nope"),
     (["--caches", "exact"], "exact"),
@@ -152,6 +159,7 @@ def test_cli_rejects_bad_arguments_with_status_2(argv, match, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.unit
 def test_cli_rejects_a_bad_thread_count_before_anything_runs(tmp_path, capsys):
     for run in (cli.main, er.main):
         argv = ["bench", "edit"] if run is cli.main else []
@@ -160,6 +168,7 @@ def test_cli_rejects_a_bad_thread_count_before_anything_runs(tmp_path, capsys):
         assert exc.value.code == 2 and "--threads: must be an integer >= 1, got '0'" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_cli_wires_the_subcommand():
     args = cli.build_parser().parse_args(["bench", "edit", "--out", "x"])
     assert args.func is er.run_edit_replay_cli
@@ -176,6 +185,7 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.mark.model
 def test_sparsex_serves_unchanged_tokens_where_prefix_caching_cannot(smollm2, one_thread, tmp_path, capsys):
     out = tmp_path / "edit"
     assert cli.main(["bench", "edit", "--cases", "1", "--threads", "1", "--out", str(out)]) == 0

@@ -20,6 +20,7 @@ def prompts(wiki_texts):
     return base + [wiki_texts[6] + " First question?", wiki_texts[6] + " Second question, different?"]
 
 
+@pytest.mark.model
 def test_batch_invariance(llm_none, prompts):
     together = _texts(llm_none.generate(prompts, GREEDY, use_tqdm=False))
     alone = [_texts(llm_none.generate(p, GREEDY, use_tqdm=False))[0] for p in prompts[:3]]
@@ -27,6 +28,7 @@ def test_batch_invariance(llm_none, prompts):
     llm_none.llm_engine.check_integrity()
 
 
+@pytest.mark.model
 def test_prefix_caching_on_off_identical(llm_none, llm_prefix, prompts):
     ref = _texts(llm_none.generate(prompts, GREEDY, use_tqdm=False))
     llm_prefix.reset_cache()
@@ -38,6 +40,7 @@ def test_prefix_caching_on_off_identical(llm_none, llm_prefix, prompts):
     llm_prefix.llm_engine.check_integrity()
 
 
+@pytest.mark.model
 def test_chunked_prefill_and_preemption_give_identical_output(llm_none, prompts, smollm2):
     ref = _texts(llm_none.generate(prompts, GREEDY, use_tqdm=False))
     # 40 blocks of 16 tokens cannot hold 8 prompts at once: forces preemption by recompute;
@@ -50,6 +53,7 @@ def test_chunked_prefill_and_preemption_give_identical_output(llm_none, prompts,
     assert tiny.llm_engine.kv.pool.usage().num_in_use == 0
 
 
+@pytest.mark.model
 def test_prompt_logprobs_cover_every_position_of_a_cached_prompt(llm_none, llm_prefix, wiki_texts):
     """A cached position has no logits: a prompt_logprobs request reads no cache, so every position
     gets its logprob (as with the cache off), and the next plain request still hits the cache."""
@@ -66,6 +70,7 @@ def test_prompt_logprobs_cover_every_position_of_a_cached_prompt(llm_none, llm_p
     llm_prefix.llm_engine.check_integrity()
 
 
+@pytest.mark.model
 def test_cache_salt_isolation(llm_prefix, wiki_texts):
     llm_prefix.reset_cache()
     text = wiki_texts[10]
@@ -79,6 +84,7 @@ def test_cache_salt_isolation(llm_prefix, wiki_texts):
     llm_prefix.llm_engine.check_integrity()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_tokens=0), "max_tokens"),
     (dict(temperature=-0.5), "temperature"),
@@ -90,6 +96,7 @@ def test_bad_sampling_params(kwargs, match):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.model
 def test_bad_input_raises_before_queuing_and_engine_keeps_serving(llm_prefix, smollm2):
     eng = llm_prefix.llm_engine
     with pytest.raises(ValueError, match="max_model_len"):
@@ -108,6 +115,7 @@ def test_bad_input_raises_before_queuing_and_engine_keeps_serving(llm_prefix, sm
     eng.check_integrity()
 
 
+@pytest.mark.model
 def test_kv_pool_too_small_for_one_request(smollm2):
     small = LLM(cache="prefix", dtype="float32", num_blocks=2)            # 32 tokens
     with pytest.raises(ValueError, match="KV pool"):
@@ -120,6 +128,7 @@ def test_kv_pool_too_small_for_one_request(smollm2):
     assert small.llm_engine.kv.pool.usage().num_in_use == 0
 
 
+@pytest.mark.model
 def test_stop_strings_stop_ids_max_tokens_and_n(llm_prefix):
     base = llm_prefix.generate("Count: 1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
     assert base.finish_reason in ("length", "stop")
@@ -134,6 +143,7 @@ def test_stop_strings_stop_ids_max_tokens_and_n(llm_prefix):
     assert len(many.outputs) == 3 and len({tuple(c.token_ids) for c in many.outputs}) > 1
 
 
+@pytest.mark.model
 def test_seeded_sampling_reproducible_across_batches(llm_prefix):
     p = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=10, ignore_eos=True)
     alone = llm_prefix.generate("The weather today", p, use_tqdm=False)[0].outputs[0].token_ids
@@ -145,6 +155,7 @@ def test_seeded_sampling_reproducible_across_batches(llm_prefix):
     assert other_seed != alone
 
 
+@pytest.mark.model
 def test_abort_frees_blocks(llm_prefix):
     eng = llm_prefix.llm_engine
     eng.add_request("to-abort", "A long story begins here and", SamplingParams(max_tokens=50, ignore_eos=True))
@@ -156,6 +167,7 @@ def test_abort_frees_blocks(llm_prefix):
     eng.check_integrity()
 
 
+@pytest.mark.model
 def test_outputs_carry_metrics_and_logprobs(llm_prefix):
     o = llm_prefix.generate("Hello", SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True), use_tqdm=False)[0]
     assert o.metrics.ttft is not None and o.metrics.ttft > 0
@@ -164,6 +176,7 @@ def test_outputs_carry_metrics_and_logprobs(llm_prefix):
         assert t in d and len(d) >= 3 and d[t] == max(d.values())         # greedy: the top token
 
 
+@pytest.mark.unit
 def test_dtype_auto_follows_native_bf16(monkeypatch):
     from sparsex import config
 
@@ -178,12 +191,14 @@ def test_dtype_auto_follows_native_bf16(monkeypatch):
         config.parse_dtype("bf17")
 
 
+@pytest.mark.unit
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_cuda_without_cuda_is_a_clear_error():
     with pytest.raises(ValueError, match="CUDA is not available"):
         LLM(device="cuda", dtype="float32")
 
 
+@pytest.mark.model
 def test_bf16_without_native_support_keeps_plain_linears(monkeypatch, smollm2, wiki_texts):
     """An AVX2-only CPU cannot reorder bf16 weights for oneDNN (it raises at load time): the engine
     must then keep F.linear, and still serve the same greedy text as a prepacked engine would."""

@@ -11,7 +11,8 @@ import torch
 
 from sparsex import LLM, SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.model,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "smollm2_greedy_cpu.json")
 

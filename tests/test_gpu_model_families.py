@@ -22,7 +22,8 @@ from sparsex.bench.fidelity import pieces_prompt, run_to_completion
 from test_hf_parity import _hf_greedy
 from test_model_families import FAMILIES, build_family
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.model,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
 ONE = SamplingParams(temperature=0.0, max_tokens=1)

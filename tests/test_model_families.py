@@ -107,6 +107,7 @@ def prompts(smollm2, wiki_texts):
     return [tok.encode(t) for t in texts]                 # ~6, ~110, ~300 tokens: past every window
 
 
+@pytest.mark.model
 def test_config_switches_are_read(family):
     name, path, ref, llm = family
     with open(os.path.join(path, "config.json")) as f:
@@ -130,6 +131,7 @@ def test_config_switches_are_read(family):
         assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attention_scale, cfg.logits_scaling) == (6.0, 0.3, 0.05, 4.0)
 
 
+@pytest.mark.model
 def test_greedy_tokens_and_logprobs_match_transformers(family, prompts):
     name, _, ref, llm = family
     if name == "phi3":
@@ -146,6 +148,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(family, prompts):
     llm.llm_engine.check_integrity()
 
 
+@pytest.mark.model
 def test_prompt_logprobs_match_transformers(family, prompts):
     name, _, ref, llm = family
     ids = prompts[2]
@@ -157,6 +160,7 @@ def test_prompt_logprobs_match_transformers(family, prompts):
     assert err < 1e-3, (name, err)
 
 
+@pytest.mark.model
 def test_chunked_prefill_preemption_and_batching_change_nothing(family, prompts):
     name, path, _, llm = family
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -174,6 +178,7 @@ def test_chunked_prefill_preemption_and_batching_change_nothing(family, prompts)
     assert sum(o.num_cached_tokens for o in again) > 0
 
 
+@pytest.mark.model
 def test_selector_all_equals_plain_prefill_and_reuse_changes_the_keys(family, wiki_texts):
     name, path, _, _ = family
     sx = LLM(model=path, cache="sparsex", dtype="float32", min_blend_tokens=0, transparent_segments=False)
@@ -202,6 +207,7 @@ def test_selector_all_equals_plain_prefill_and_reuse_changes_the_keys(family, wi
     eng.check_integrity()
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("name", ["gemma3_text", "phi3", "qwen3"])
 def test_reused_key_rerotated_per_layer_equals_key_computed_at_new_position(name, smollm2):
     """Keys of every layer, projected (and QK-normed) from the same hidden rows, RoPE'd at positions a
@@ -248,6 +254,7 @@ def test_reused_key_rerotated_per_layer_equals_key_computed_at_new_position(name
         assert not torch.allclose(wrong[0][0].view(-1, kvh, d)[:n], caches[0][0].view(-1, kvh, d)[:n], atol=1e-2)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("change, message", [
     ({"model_type": "bloom"}, "unsupported model_type 'bloom'"),
     ({"model_type": "falcon", "alibi": True}, "unsupported model_type"),
@@ -265,6 +272,7 @@ def test_unsupported_configs_fail_naming_the_field(change, message):
         ModelConfig.from_hf_config({**base, **change})
 
 
+@pytest.mark.model
 def test_hf_state_dict_round_trips_into_transformers(family, prompts):
     """What the GPU benchmark hands transformers (views of our weights) is the model it loaded: the
     same logits as the checkpoint's own transformers model."""
@@ -282,6 +290,7 @@ def test_hf_state_dict_round_trips_into_transformers(family, prompts):
         torch.testing.assert_close(hf.eval()(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.model
 def test_sharded_checkpoint_with_index_file_loads_the_same(family, tmp_path, prompts):
     """A checkpoint saved in several safetensors shards (with model.safetensors.index.json) loads to
     the same weights as the single-file one."""
@@ -302,6 +311,7 @@ def test_sharded_checkpoint_with_index_file_loads_the_same(family, tmp_path, pro
     assert all(torch.equal(one.weights[k], sharded.weights[k]) for k in one.weights)
 
 
+@pytest.mark.model
 def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path, smollm2, prompts):
     """A `gemma3` checkpoint (Gemma 3 4B+: language model + vision tower) serves its text model: the
     vision tensors are dropped and text-only prompts match transformers' multimodal model."""

@@ -20,6 +20,8 @@ from sparsex.models import moe
 from sparsex.models.model_config import ModelConfig
 from sparsex.models.moe import FUSED, PER_EXPERT, SparseMoeBlock, detect_moe_layout, moe_param_shapes
 
+pytestmark = pytest.mark.unit
+
 HIDDEN, EXPERTS, TOP_K, INTER = 64, 8, 2, 32
 PREFIX = "model.layers.1."
 _COMMON = dict(vocab_size=64, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,

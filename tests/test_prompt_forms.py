@@ -9,6 +9,8 @@ from sparsex.bench.prompt_forms import (PROMPT_FORMS, agent_messages, apply_form
 from sparsex.bench.workloads import Request
 from sparsex.outputs import ReusedSpan
 
+pytestmark = pytest.mark.unit
+
 PASSAGES = ["Paris is the capital of France.", "Berlin is the capital of Germany.", "Rome is in Italy."]
 
 

@@ -6,6 +6,10 @@ import io
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.model
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 

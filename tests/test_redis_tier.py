@@ -17,6 +17,8 @@ from sparsex.kvstore import record
 from sparsex.kvstore.fetch_policy import FetchDecision, FetchPolicy
 from sparsex.kvstore.redis_tier import RedisTier, RedisTierStats
 
+pytestmark = pytest.mark.unit
+
 needs_redis = pytest.mark.skipif(not rs.available(), reason="redis-server not installed (make install)")
 
 FP = "0123456789abcdef"

@@ -22,6 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+pytestmark = pytest.mark.model
+
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("sparsex_deploy_replicas", ROOT / "deploy" / "replicas.py")
 replicas_mod = importlib.util.module_from_spec(_spec)

@@ -20,6 +20,8 @@ from sparsex.layers.sampler import (
 )
 from sparsex.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 8
 N_DRAWS = 20_000   # per case: tolerance <= 5 * sqrt(.25 / N) = 0.018
 # Distinct probabilities, deliberately *not* sorted by token id, so a sampler that forgets to map

@@ -52,6 +52,7 @@ HEAD = "System: answer from the passages.\n\n"
 QUESTION = "\nQuestion: which of the passages above mentions the earliest date, and what happened then? Answer:"
 
 
+@pytest.mark.model
 def test_selector_all_equals_plain_prefill(llm_sx, llm_none, passages):
     eng, ref = llm_sx.llm_engine, llm_none.llm_engine
     eng.reset_cache()
@@ -68,6 +69,7 @@ def test_selector_all_equals_plain_prefill(llm_sx, llm_none, passages):
     assert (naive - want).norm() / want.norm() > 1e-3
 
 
+@pytest.mark.model
 def test_same_position_same_context_reuse_is_exact(llm_sx, llm_none, passages):
     eng, ref = llm_sx.llm_engine, llm_none.llm_engine
     eng.reset_cache()
@@ -82,6 +84,7 @@ def test_same_position_same_context_reuse_is_exact(llm_sx, llm_none, passages):
     assert (got - want).norm() / want.norm() < 1e-4
 
 
+@pytest.mark.model
 def test_rerotated_key_equals_key_computed_at_new_position(smollm2):
     cfg = smollm2.config
     rot = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, 8192)
@@ -103,6 +106,7 @@ def test_rerotated_key_equals_key_computed_at_new_position(smollm2):
     assert not torch.allclose(k_a, k_b, atol=1e-2)
 
 
+@pytest.mark.unit
 def test_sparse_rows_use_exact_per_row_causal_mask():
     torch.manual_seed(0)
     H, KVH, D, bs, n = 4, 2, 16, 4, 23
@@ -129,6 +133,7 @@ def test_sparse_rows_use_exact_per_row_causal_mask():
     assert br != rows.tolist()
 
 
+@pytest.mark.model
 def test_counters_are_exact_and_prefix_plus_segments_work_together(llm_sx, passages):
     eng = llm_sx.llm_engine
     eng.reset_cache()
@@ -149,6 +154,7 @@ def test_counters_are_exact_and_prefix_plus_segments_work_together(llm_sx, passa
     assert st.segment_cache_hits >= sum(lens) and st.recomputed_tokens >= out.num_recomputed_tokens
 
 
+@pytest.mark.model
 def test_bookkeeping_is_done_before_the_sampled_token_is_waited_for(llm_sx, passages, monkeypatch):
     """The blend's segment hits are unlocked, its new segments indexed and its blocks registered on
     the exact and approximate chains while the forward runs (the step's `overlap`), not after the
@@ -181,6 +187,7 @@ def test_bookkeeping_is_done_before_the_sampled_token_is_waited_for(llm_sx, pass
     eng.check_integrity()
 
 
+@pytest.mark.model
 def test_next_turn_continues_blended_blocks_on_the_approximate_chain(llm_sx, llm_none, passages):
     """A blended turn leaves its blocks on the approximate chain; the next turn of the conversation
     takes them as they are instead of blending its history again. With naive reuse (copies kept in
@@ -241,6 +248,7 @@ def test_next_turn_continues_blended_blocks_on_the_approximate_chain(llm_sx, llm
     assert run_to_completion(eng, salted, ONE, reuse=naive)[0].num_reused_tokens == 0
 
 
+@pytest.mark.model
 def test_cache_salt_isolates_segments(llm_sx, passages):
     eng = llm_sx.llm_engine
     eng.reset_cache()
@@ -255,6 +263,7 @@ def test_cache_salt_isolates_segments(llm_sx, passages):
     assert run_to_completion(eng, other, ONE)[0].num_reused_tokens == 0
 
 
+@pytest.mark.model
 def test_forced_segment_hash_collision_never_reuses(llm_sx, passages, monkeypatch):
     eng = llm_sx.llm_engine
     eng.reset_cache()
@@ -270,6 +279,7 @@ def test_forced_segment_hash_collision_never_reuses(llm_sx, passages, monkeypatc
     eng.reset_cache()                      # entries keyed by the fake hash must not outlive the patch
 
 
+@pytest.mark.model
 def test_segment_eviction_under_pressure_keeps_pool_consistent(smollm2, wiki_texts):
     llm = LLM(cache="sparsex", dtype="float32", num_blocks=64, segment_eviction="frequency")
     eng = llm.llm_engine
@@ -281,6 +291,7 @@ def test_segment_eviction_under_pressure_keeps_pool_consistent(smollm2, wiki_tex
     assert eng.segment_index.num_evicted > 0
 
 
+@pytest.mark.model
 def test_default_selector_beats_naive_and_random_on_real_rag(llm_sx, llm_none):
     from benchmarks.segment_reuse import build_queries
     eng, ref = llm_sx.llm_engine, llm_none.llm_engine
@@ -299,6 +310,7 @@ def test_default_selector_beats_naive_and_random_on_real_rag(llm_sx, llm_none):
     assert kl[default] < kl["none"] and kl[default] < kl["random"], kl
 
 
+@pytest.mark.unit
 def test_query_attention_mass_matches_per_head_softmax():
     """sparse_q's query-side signal, grouped by KV head, against a plain loop over query heads."""
     from sparsex.segment import selectors
@@ -317,6 +329,7 @@ def test_query_attention_mass_matches_per_head_softmax():
     assert got[pos.max() + 1:].eq(0).all()                # keys after every row's position get nothing
 
 
+@pytest.mark.model
 def test_rows_dropped_inside_the_selection_layer_equal_full_layer_then_drop(llm_sx, passages):
     """A blended step drops rows inside layer F-1, once it has stored every row's K/V: the kept rows'
     outputs and every K/V written must equal running layer F-1 on all rows and dropping after it
@@ -375,6 +388,7 @@ def test_rows_dropped_inside_the_selection_layer_equal_full_layer_then_drop(llm_
         torch.testing.assert_close(v1, v2, rtol=1e-3, atol=5e-4)
 
 
+@pytest.mark.model
 def test_early_encodings_are_reused_only_early_and_replaced_when_recomputed(llm_sx, passages):
     """`min_context_tokens`: a segment computed with little before it (here right after a short
     head) is not reused later in a prompt; there it is recomputed and its index entry replaced by
@@ -419,6 +433,7 @@ def test_early_encodings_are_reused_only_early_and_replaced_when_recomputed(llm_
     assert eng.segment_index.lookup(p0, None, count=False) is early
 
 
+@pytest.mark.model
 def test_teacher_forced_run_plans_the_same_hits_as_the_plain_request(llm_sx, passages):
     """A teacher-forced prompt (prompt + continuation, `query_horizon` = the prompt's length) must
     plan the hits the plain request plans: the question holds the plain request's last token, so it
@@ -444,6 +459,7 @@ def test_teacher_forced_run_plans_the_same_hits_as_the_plain_request(llm_sx, pas
     assert tf.num_recomputed_tokens == plain.num_recomputed_tokens
 
 
+@pytest.mark.model
 def test_kv_deviation_is_context_signal_only_after_one_full_layer(llm_sx, passages, monkeypatch):
     """Layer 0's K/V depend on token and position only, so a reused segment's re-rotated layer-0
     keys equal freshly computed ones up to rounding: a deviation probe there ranks noise. The
@@ -475,6 +491,7 @@ def test_kv_deviation_is_context_signal_only_after_one_full_layer(llm_sx, passag
     assert rel1 > 1e-5 and rel1 > 1e3 * max(rel0, 1e-12), (rel0, rel1)   # context moved layer 1's keys
 
 
+@pytest.mark.model
 def test_few_hit_tokens_are_not_blended(llm_sx, llm_none, passages):
     """`min_blend_tokens`: a request whose segment hits total fewer tokens is not blended; its hits
     are recomputed (unlocked again), so it is exact: the same logits as full prefill. At the
@@ -509,6 +526,7 @@ def test_few_hit_tokens_are_not_blended(llm_sx, llm_none, passages):
         run_to_completion(eng, p, ONE, reuse={"min_blend_tokens": -1})
 
 
+@pytest.mark.model
 def test_two_stage_selection_with_every_candidate_equals_one_stage_deeper(llm_sx, llm_none, passages):
     """Two-stage selection (`rescore_layers`): with candidate_ratio = 1 the first stage keeps every
     reused row, so the second probe sees what a one-stage probe `rescore_layers` deeper sees: the
@@ -546,6 +564,7 @@ def test_two_stage_selection_with_every_candidate_equals_one_stage_deeper(llm_sx
             run_to_completion(eng, p, ONE, reuse=bad)
 
 
+@pytest.mark.model
 def test_default_selection_is_two_stage_sparse_q_and_follows_overrides(llm_sx, passages):
     """The default (rescore_layers=None) is sparse_q in two stages: half the reused rows as
     candidates, 12.5% kept. Resolved per request after its overrides: a selector without a probe,
@@ -571,6 +590,7 @@ def test_default_selection_is_two_stage_sparse_q_and_follows_overrides(llm_sx, p
     eng.check_integrity()
 
 
+@pytest.mark.unit
 def test_resolved_rescore_layers():
     cfg = ReuseConfig()
     assert cfg.rescore_layers is None and cfg.resolved(30).rescore_layers == 2
@@ -584,6 +604,7 @@ def test_resolved_rescore_layers():
         ReuseConfig(rescore_layers=-1).verify(30)
 
 
+@pytest.mark.model
 def test_one_step_blends_one_and_two_stage_requests_as_alone(llm_sx, passages):
     """A step that blends a two-stage request next to a one-stage one (each selects at its own
     layers; the second's rows are narrowed twice, the first's once) gives each the logits and
@@ -633,6 +654,7 @@ def _entry_kv(eng, entry, n, blocks=None):
             for k, v in eng.runner.kv_caches]
 
 
+@pytest.mark.model
 def test_merged_encodings_are_the_mean_of_exact_encodings_and_copy_on_write(llm_sx, llm_none, passages):
     """A segment the index holds, computed again exactly (`blend=False`: an ingestion pass) in
     another context, turns its entry into the mean of the two encodings, the second's keys
@@ -704,6 +726,7 @@ def test_merged_encodings_are_the_mean_of_exact_encodings_and_copy_on_write(llm_
             run_to_completion(eng, a, ONE, reuse=bad)
 
 
+@pytest.mark.model
 def test_reused_spans_are_the_segment_hits_at_their_prompt_positions(llm_sx, passages):
     """`RequestOutput.reused_spans`: every segment hit, at its position in this prompt (the
     `TokenizedPrompt.segments` span), adding up to num_reused_tokens; a repeat of the blended
@@ -731,6 +754,7 @@ def test_reused_spans_are_the_segment_hits_at_their_prompt_positions(llm_sx, pas
     assert sum(s.num_tokens for s in again.reused_spans) == again.num_reused_tokens
 
 
+@pytest.mark.model
 def test_reuse_skipped_says_why_found_segments_were_not_reused(llm_sx, passages):
     """`RequestOutput.reuse_skipped`: hits under min_blend_tokens (with both numbers), entries
     encoded right after a short head met later in a prompt, and blend=False; None when every hit

@@ -19,6 +19,7 @@ def _record(n=6, salt="t", dtype=torch.float32, start=40, encodings=1) -> Segmen
                          torch.randn(3, 2, n, 2, 8).to(dtype))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_record_round_trips_and_rejects_damage(dtype):
     r = _record(dtype=dtype)
@@ -33,6 +34,7 @@ def test_record_round_trips_and_rejects_damage(dtype):
         decode(data, "other")
 
 
+@pytest.mark.unit
 def test_keys_separate_tenants_models_and_dtypes():
     toks = [5, 6, 7]
     keys = {record_key(toks, s, m, d) for s in (None, "a", "b") for m in ("m1", "m2")
@@ -44,6 +46,7 @@ def test_keys_separate_tenants_models_and_dtypes():
     assert tenant_prefix(None) == "sparsex:shared:"
 
 
+@pytest.mark.unit
 def test_host_tier_keeps_the_most_recent_within_its_budget():
     size = _record().nbytes
     tier = HostTier(3 * size)
@@ -66,6 +69,7 @@ def passages(wiki_texts):
     return [t[:700] for t in wiki_texts[20:24]]                       # ~150 tokens each
 
 
+@pytest.mark.model
 def test_evicted_entries_come_back_from_host_memory_exactly(smollm2, llm_none, passages, wiki_texts):
     """A pool too small to keep the passages: their entries are evicted to the host tier, and a
     later prompt that reuses them loads them back (counted), with selector="all" equal to plain
@@ -95,6 +99,7 @@ def test_evicted_entries_come_back_from_host_memory_exactly(smollm2, llm_none, p
     eng.check_integrity()
 
 
+@pytest.mark.model
 def test_without_a_host_tier_evicted_entries_are_gone(passages):
     eng = LLM(cache="sparsex", dtype="float32", num_blocks=48, min_blend_tokens=0,
               transparent_segments=False).llm_engine
@@ -105,6 +110,7 @@ def test_without_a_host_tier_evicted_entries_are_gone(passages):
         LLM(segment_store="http://localhost:6379")
 
 
+@pytest.mark.unit
 def test_prometheus_counts_each_tier_and_the_fetch_decisions():
     from sparsex.engine.llm_engine import EngineStats
     from sparsex.kvstore.segment_store import StoreStats

@@ -24,6 +24,8 @@ from sparsex.entrypoints.settings import ServerSettings
 
 from geo_passages import PASSAGES
 
+pytestmark = pytest.mark.model
+
 KEY = "test-key"
 TENANT = "X-Tenant"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -19,6 +19,8 @@ from sparsex.entrypoints.openai_server import build_app
 from sparsex.entrypoints.settings import ServerSettings
 from sparsex.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
+pytestmark = pytest.mark.unit
+
 MODEL = "scripted"
 
 

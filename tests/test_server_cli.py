@@ -41,6 +41,7 @@ def serve_process():
         proc.wait()
 
 
+@pytest.mark.model
 def test_sigterm_drains_then_exits(serve_process):
     proc, url = serve_process
     headers = {"Authorization": "Bearer k"}
@@ -59,6 +60,7 @@ def test_sigterm_drains_then_exits(serve_process):
     assert proc.wait(timeout=300) in (0, -signal.SIGTERM)
 
 
+@pytest.mark.unit
 def test_engine_flags_reach_the_reuse_config():
     import argparse
 
@@ -88,6 +90,7 @@ def test_engine_flags_reach_the_reuse_config():
     assert engine_config(p.parse_args(["serve", "--no-blend", "--merge-encodings", "2"])).reuse.blend is False
 
 
+@pytest.mark.unit
 def test_server_flags_reach_the_settings(monkeypatch):
     import argparse
 

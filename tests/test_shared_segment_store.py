@@ -11,6 +11,8 @@ from sparsex import LLM, SamplingParams
 from sparsex.bench.fidelity import pieces_prompt, run_to_completion
 from sparsex.kvstore.record import decode
 
+pytestmark = pytest.mark.model
+
 ONE = SamplingParams(temperature=0.0, max_tokens=1)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 HEAD = "System: answer from the passages.\n\n" * 20         # > min_context_tokens: the passages are not early

@@ -13,6 +13,8 @@ from sparsex.segment import span_index as si
 from sparsex.segment.segment_index import SegmentIndex
 from sparsex.segment.span_index import GUARANTEED_TOKENS, SpanIndex, anchors
 
+pytestmark = pytest.mark.unit
+
 BS = 16
 rng = np.random.default_rng(7)
 

@@ -35,6 +35,7 @@ def _table_rows(text: str) -> list[list[str]]:
             if line.startswith("| ") and not line.startswith("| setting") and not line.startswith("| tokens")]
 
 
+@pytest.mark.bench
 @needs_smollm2
 @needs_redis
 def test_replica_bench_tiny(tmp_path: Path) -> None:
@@ -74,6 +75,7 @@ def test_replica_bench_tiny(tmp_path: Path) -> None:
     assert rows[3][3] == f"{shared['hit_rate']:.1%}" and rows[3][5] == str(shared["remote_hits"])
 
 
+@pytest.mark.bench
 @needs_smollm2
 @needs_redis
 def test_store_bench_tiny(tmp_path: Path) -> None:
@@ -98,6 +100,7 @@ def test_store_bench_tiny(tmp_path: Path) -> None:
                                    "Redis GET + decode + install"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("args, needle", [
     (("store", "--sizes", "0"), "token counts >= 2"),
     (("store", "--repeats", "0"), "repeats"),

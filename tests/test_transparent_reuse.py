@@ -11,6 +11,8 @@ from sparsex.bench.fidelity import pieces_prompt, run_to_completion
 from sparsex.inputs import TokenizedPrompt
 from sparsex.segment import span_index
 
+pytestmark = pytest.mark.model
+
 ONE = SamplingParams(temperature=0.0, max_tokens=1)
 SOURCES = {"indexed", "request"}
 

@@ -131,6 +131,7 @@ def sparse_rows(n: int, frac: float, tail: int, gen: torch.Generator) -> torch.T
     return torch.cat((body.sort().values, torch.arange(n - tail, n)))
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", GQA)
@@ -140,6 +141,7 @@ def test_prefill_ragged(device, heads, head_dim, dtype):
     check_attention(seqs, heads, head_dim, dtype, device, contiguous=True)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", GQA)
 def test_extend_after_prefix_hit(device, heads, dtype):
@@ -148,6 +150,7 @@ def test_extend_after_prefix_hit(device, heads, dtype):
     check_attention(seqs, heads, 128, dtype, device, contiguous=True, block_size=32)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", GQA)
@@ -158,6 +161,7 @@ def test_sparse_rows(device, heads, head_dim, dtype):
     check_attention(seqs, heads, head_dim, dtype, device, contiguous=False)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_sparse_rows_with_empty_sequence(device, dtype):
     # select_rows can leave a sequence with no rows; rows need not be sorted either
@@ -168,6 +172,7 @@ def test_sparse_rows_with_empty_sequence(device, dtype):
     check_attention(seqs, (8, 2), 128, dtype, device, contiguous=False)
 
 
+@pytest.mark.gpu
 def test_sparse_rows_long_prompt_two_sequences(device):
     # several key tiles per query tile, two sequences of different lengths in one gathered copy
     # (the shorter one's padding blocks are copied but must never be read)
@@ -176,6 +181,7 @@ def test_sparse_rows_long_prompt_two_sequences(device):
     check_attention(seqs, (32, 8), 128, torch.bfloat16, device, contiguous=False)
 
 
+@pytest.mark.gpu
 def test_gather_pays_only_for_many_rows_per_key(device):
     from sparsex.layers import triton_attention as ta
 
@@ -191,6 +197,7 @@ def test_gather_pays_only_for_many_rows_per_key(device):
     assert not ta.gather_pays(mixed, mixed.cu_seqlens_q_cpu[-1], 16)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("heads", GQA)
 def test_mixed_decode_and_prefill_rows(device, heads):
     # decode rows and prefill chunks in one step go through the varlen kernel
@@ -198,6 +205,7 @@ def test_mixed_decode_and_prefill_rows(device, heads):
     check_attention(seqs, heads, 128, torch.bfloat16, device, contiguous=True, block_size=64)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", GQA)
@@ -208,6 +216,7 @@ def test_decode(device, heads, head_dim, dtype):
     check_attention(seqs, heads, head_dim, dtype, device, contiguous=True, decode=True)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [1, 3, 64])
 def test_decode_split_counts(device, num_splits):
     from sparsex.layers import triton_attention as ta
@@ -219,6 +228,7 @@ def test_decode_split_counts(device, num_splits):
     assert rel_err(out, ref) < TOL[torch.bfloat16]
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_kv(device, dtype):
     from sparsex.layers.triton_attention import TritonAttentionBackend
@@ -314,6 +324,7 @@ def check_window(seqs, heads, head_dim, dtype, device, contiguous, window, cap, 
 WINDOW_CAP = [(1, None), (16, None), (37, 2.0), (70, None), (1000, 2.0), (None, 2.0)]
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", WINDOW_DTYPES)
 @pytest.mark.parametrize("window,cap", WINDOW_CAP)
 def test_window_softcap_prefill_and_extend(device, window, cap, dtype):
@@ -322,6 +333,7 @@ def test_window_softcap_prefill_and_extend(device, window, cap, dtype):
     check_window(seqs, (6, 2), 32, dtype, device, True, window, cap)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("heads,head_dim", [((4, 4), 64), ((8, 1), 32), ((4, 1), 256)])   # MHA, GQA 8, Gemma 3 270M
 @pytest.mark.parametrize("window,cap", [(24, None), (24, 3.0)])
 def test_window_softcap_heads(device, heads, head_dim, window, cap):
@@ -329,6 +341,7 @@ def test_window_softcap_heads(device, heads, head_dim, window, cap):
     check_window(seqs, heads, head_dim, torch.float32, device, True, window, cap)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", WINDOW_DTYPES)
 @pytest.mark.parametrize("window,cap", [(16, None), (50, 2.0), (None, 2.0)])
 def test_window_softcap_sparse_rows(device, window, cap, dtype):
@@ -340,6 +353,7 @@ def test_window_softcap_sparse_rows(device, window, cap, dtype):
     check_window(seqs, (6, 2), 32, dtype, device, False, window, cap)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", WINDOW_DTYPES)
 @pytest.mark.parametrize("window,cap", [(1, None), (20, 2.0), (100, None), (5000, 2.0), (None, 2.0)])
 def test_window_softcap_decode(device, window, cap, dtype):
@@ -349,6 +363,7 @@ def test_window_softcap_decode(device, window, cap, dtype):
     check_window(seqs, (4, 2), 32, dtype, device, True, window, cap, decode_splits=(None, 1, 3, 16))
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("cap", [None, 2.0])
 def test_window_reads_no_key_before_it(device, cap):
     """NaN in every key and value before each row's window (of each sequence): the output stays exact,
@@ -362,6 +377,7 @@ def test_window_reads_no_key_before_it(device, cap):
                  decode_splits=(1, 4), poison=True)
 
 
+@pytest.mark.gpu
 def test_window_skips_key_blocks_before_it(device, monkeypatch):
     """A sliding layer's cost is O(window) per row at any length: the key loops start at the tile's
     first visible key (counted by wrapping the key-block step, interpreter only)."""
@@ -408,6 +424,7 @@ except ImportError:
     _tanh_kernel = None
 
 
+@pytest.mark.gpu
 def test_softcap_tanh_is_accurate(device):
     """The kernels' tanh (tl has none) to 1e-6 relative over the whole range, saturating without NaN."""
     x = torch.cat([torch.linspace(-12, 12, 20001), torch.logspace(-30, 2, 400), torch.linspace(0.39, 0.41, 401),
@@ -423,6 +440,7 @@ def test_softcap_tanh_is_accurate(device):
     assert torch.equal(y[x == 0], torch.zeros_like(y[x == 0]))
 
 
+@pytest.mark.gpu
 def test_window_or_softcap_keeps_off_causal_sdpa(device, monkeypatch):
     """The plain-prefill shortcut (torch's causal SDPA) neither caps nor slides: taken with neither,
     or with a window that hides nothing (every sequence fits in it), never otherwise."""
@@ -446,6 +464,7 @@ def test_window_or_softcap_keeps_off_causal_sdpa(device, monkeypatch):
         assert rel_err(out, ref) < TOL[torch.float16], (window, cap)
 
 
+@pytest.mark.gpu
 def test_fixed_split_graph_backend_window_and_softcap(device):
     """The CUDA-graph decode backend (a fixed split count) runs sliding and softcapped layers, with
     no more splits than the window needs; plain layers exactly as decode_attention."""
@@ -464,6 +483,7 @@ def test_fixed_split_graph_backend_window_and_softcap(device):
             assert torch.equal(out, ta.decode_attention(query, k_cache, v_cache, md, 0.2, num_splits=16))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kwargs", [dict(sliding_window=0), dict(sliding_window=-4), dict(sliding_window=2.5),
                                     dict(sliding_window=True), dict(logits_soft_cap=0.0),
                                     dict(logits_soft_cap=-1.0), dict(logits_soft_cap=math.nan),
@@ -527,12 +547,14 @@ def rerotate_case(dtype: torch.dtype, head_dim: int, rot_dim: int, device: torch
     return rel_err(k_flat[dst], want)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("head_dim,rot_dim", [(64, 64), (128, 128), (128, 64)])
 def test_rerotate_torch_matches_rope_at_new_position(head_dim, rot_dim):
     assert rerotate_case(torch.float32, head_dim, rot_dim, torch.device("cpu"), copy_and_rerotate_torch) < 1e-5
     assert rerotate_case(torch.bfloat16, head_dim, rot_dim, torch.device("cpu"), copy_and_rerotate_torch) < 1e-2
 
 
+@pytest.mark.unit
 def test_rerotate_torch_round_trip_and_in_place():
     # rotating by +d then -d in place gives the key back (rows moved onto themselves)
     gen = torch.Generator().manual_seed(3)
@@ -548,6 +570,7 @@ def test_rerotate_torch_round_trip_and_in_place():
     assert torch.allclose(k_cache, k0, atol=1e-5) and torch.equal(v_cache, v0)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,rot_dim", [(64, 64), (128, 128), (128, 64)])
 def test_rerotate_triton(device, dtype, head_dim, rot_dim):
@@ -559,6 +582,7 @@ def test_rerotate_triton(device, dtype, head_dim, rot_dim):
     assert rerotate_case(dtype, head_dim, rot_dim, device, one_layer) < tol
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,rot_dim", [(64, 64), (128, 64)])
 def test_rerotate_every_layer_in_one_launch_equals_one_launch_per_layer(device, dtype, head_dim, rot_dim):
@@ -581,6 +605,7 @@ def test_rerotate_every_layer_in_one_launch_equals_one_launch_per_layer(device, 
         assert torch.equal(k, rk) and torch.equal(v, rv)
 
 
+@pytest.mark.unit
 def test_layer_pointers_refuse_caches_of_different_layouts():
     from sparsex.layers.triton_rerotate import LayerPointers
     a = (torch.zeros(4, 16, 2, 64), torch.zeros(4, 16, 2, 64))
@@ -590,6 +615,7 @@ def test_layer_pointers_refuse_caches_of_different_layouts():
 
 
 # ---- the selection probe's scores (triton_probe.py) against the torch selectors ----------------------
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_kv_heads,head_dim", [(3, 64), (8, 128)])
 def test_kv_deviation_matches_torch_selector(device, dtype, num_kv_heads, head_dim):
@@ -616,6 +642,7 @@ def test_kv_deviation_matches_torch_selector(device, dtype, num_kv_heads, head_d
     assert kv_deviation(to(k), to(v), to(k_cache), to(v_cache), to(rows[:0]), to(slot_mapping)).numel() == 0
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,head_dim", [((4, 4), 64), ((6, 2), 64), ((32, 8), 128)])
 @pytest.mark.parametrize("seq_len,num_query_rows", [(1000, 1), (1000, 40), (437, 130)])
@@ -656,6 +683,7 @@ def cuda() -> torch.device:
     return torch.device("cuda")
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [576, 4096])
 @pytest.mark.parametrize("with_residual", [False, True])
@@ -677,6 +705,7 @@ def test_fused_rms_norm_matches_eager(cuda, dtype, hidden, with_residual):
     assert rel_err(out.cpu(), ref) < tol
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_silu_and_mul_matches_eager(cuda, dtype):
     from sparsex.layers.triton_fused import silu_and_mul
@@ -687,6 +716,7 @@ def test_fused_silu_and_mul_matches_eager(cuda, dtype):
     assert rel_err(out.cpu(), ref) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,heads", [(64, 9), (128, 32), (64, 40)])
 def test_fused_rope_matches_eager_on_strided_views(cuda, dtype, head_dim, heads):
@@ -710,6 +740,7 @@ def test_fused_rope_matches_eager_on_strided_views(cuda, dtype, head_dim, heads)
     assert torch.equal(qkv_d.cpu(), qkv)                                     # the inputs are left as they were
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 40, 8)])
 def test_rope_and_store_in_one_launch_equals_rope_then_store(device, dtype, head_dim, heads, kv_heads):
@@ -741,6 +772,7 @@ def test_rope_and_store_in_one_launch_equals_rope_then_store(device, dtype, head
         rope_qk_store(q, k, v[:-1], positions, rot.cos_cache, rot.sin_cache, *caches, slots)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("heads", [(8, 2), (6, 6)])
 def test_plain_prefill_sdpa_dispatch_matches_paged_kernel(cuda, heads):
     """A step whose every sequence computes all its keys, or all but a short cached prefix, takes
@@ -769,6 +801,7 @@ def test_plain_prefill_sdpa_dispatch_matches_paged_kernel(cuda, heads):
     assert ta._short_prefix_lens(md) is None
 
 
+@pytest.mark.unit
 def test_fp32_dot_precision_follows_torch_matmul_precision():
     pytest.importorskip("triton")
     from sparsex.layers.triton_attention import _dot_precision

@@ -23,6 +23,7 @@ def _empty(engine) -> None:
     engine.check_integrity()
 
 
+@pytest.mark.unit
 def test_default_is_on_for_cuda_only_and_bad_values_are_refused():
     assert EngineConfig(device="cpu").warmup_enabled is False
     assert EngineConfig(device="cuda").warmup_enabled is True
@@ -32,6 +33,7 @@ def test_default_is_on_for_cuda_only_and_bad_values_are_refused():
         EngineConfig(warmup="yes")
 
 
+@pytest.mark.model
 def test_warm_up_runs_the_prefix_and_blend_paths(smollm2):
     llm = LLM(cache="sparsex", dtype="float32", seed=0, num_blocks=512)
     engine = llm.llm_engine
@@ -46,6 +48,7 @@ def test_warm_up_runs_the_prefix_and_blend_paths(smollm2):
     engine.check_integrity()
 
 
+@pytest.mark.model
 def test_a_warmed_engine_serves_like_a_cold_one(smollm2, wiki_texts):
     cold = LLM(cache="sparsex", dtype="float32", seed=0, num_blocks=512)
     warm = LLM(cache="sparsex", dtype="float32", seed=0, num_blocks=512, warmup=True)
@@ -64,6 +67,7 @@ def test_a_warmed_engine_serves_like_a_cold_one(smollm2, wiki_texts):
     assert untimed(warm.llm_engine.stats()) == untimed(cold.llm_engine.stats())
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("cache", ["none", "prefix"])
 def test_other_cache_modes_warm_up_without_blending(smollm2, cache):
     llm = LLM(cache=cache, dtype="float32", seed=0, num_blocks=256, warmup=True)
@@ -74,6 +78,7 @@ def test_other_cache_modes_warm_up_without_blending(smollm2, cache):
     engine.check_integrity()
 
 
+@pytest.mark.model
 def test_a_pool_too_small_skips_the_warm_up(smollm2):
     llm = LLM(cache="sparsex", dtype="float32", seed=0, num_blocks=8, warmup=True)
     assert llm.llm_engine.warmup_seconds == 0.0
@@ -81,6 +86,7 @@ def test_a_pool_too_small_skips_the_warm_up(smollm2):
     assert len(out.outputs[0].token_ids) == 4
 
 
+@pytest.mark.model
 def test_segments_follow_the_engines_min_segment_tokens(smollm2):
     llm = LLM(cache="sparsex", dtype="float32", seed=0, num_blocks=512, min_segment_tokens=300)
     llm.llm_engine.warm_up()

@@ -165,6 +165,7 @@ def _check_summary_table(text: str, summaries: list[PolicySummary]) -> None:
             assert float(row["F1"]) == pytest.approx(s.f1, abs=5e-4)
 
 
+@pytest.mark.bench
 @needs_smollm2
 def test_rag_end_to_end(tmp_path, engines) -> None:
     # 3 passages, 2 per query: the two queries share a passage, so segment policies get a hit
@@ -198,6 +199,7 @@ def test_rag_end_to_end(tmp_path, engines) -> None:
         assert ys == pytest.approx([(j + 1) / len(xs) for j in range(len(xs))]) and ys[-1] == 1.0
 
 
+@pytest.mark.bench
 @needs_smollm2
 @pytest.mark.parametrize("form", ["stuffed", "llamaindex"])
 def test_rag_one_message_forms_serve_recurring_passages(tmp_path, engines, form) -> None:
@@ -215,6 +217,7 @@ def test_rag_one_message_forms_serve_recurring_passages(tmp_path, engines, form)
     assert all(r["recurring_served"] <= r["recurring_tokens"] for r in spans)
 
 
+@pytest.mark.bench
 @needs_smollm2
 def test_twin_plans_a_repeated_question_as_the_timed_request_does(tmp_path, engines) -> None:
     # 2 passages, 3 queries: the third asks the first one's question again. The plain request reuses
@@ -231,6 +234,7 @@ def test_twin_plans_a_repeated_question_as_the_timed_request_does(tmp_path, engi
                                                                   r["recomputed_tokens"]] for r in sx)
 
 
+@pytest.mark.bench
 @needs_smollm2
 def test_reference_continuation_stops_at_eos(engines) -> None:
     """The fidelity reference is what a served request would produce: greedy tokens through the first
@@ -248,6 +252,7 @@ def test_reference_continuation_stops_at_eos(engines) -> None:
     engine.check_integrity()
 
 
+@pytest.mark.bench
 @needs_smollm2
 def test_rag_prewarm_ingests_every_passage_before_the_replay(tmp_path, engines) -> None:
     # cold, a passage hits only from its second query on; after ingesting the corpus every passage
@@ -298,6 +303,7 @@ def test_rag_prewarm_ingests_every_passage_before_the_replay(tmp_path, engines) 
         WorkloadBenchConfig(workload="chat", prewarm=True).verify()
 
 
+@pytest.mark.bench
 @needs_smollm2
 def test_chat_end_to_end(tmp_path, engines, monkeypatch) -> None:
     # without matplotlib (the optional bench extra) and without --plot-dir a run writes its tables
@@ -310,6 +316,7 @@ def test_chat_end_to_end(tmp_path, engines, monkeypatch) -> None:
     assert {s.policy: s for s in summaries}["prefix"].prefix_hit_rate > 0     # later turns extend earlier ones
 
 
+@pytest.mark.bench
 @needs_smollm2
 def test_agent_end_to_end(tmp_path, engines) -> None:
     # seed 6: a one-session workload of 3 calls (~1000-1400 tokens each), the cheapest agent run
@@ -318,6 +325,7 @@ def test_agent_end_to_end(tmp_path, engines) -> None:
     _check_policy_counters(records)
 
 
+@pytest.mark.bench
 @needs_smollm2
 def test_stream_end_to_end(tmp_path) -> None:
     cfg = StreamConfig(queries=6, k=2, num_passages=12, passage_tokens=(60, 120), kv_fraction=1.0, window=3,
@@ -347,6 +355,7 @@ def test_stream_end_to_end(tmp_path) -> None:
 # ---------------------------------------------------------------- pieces
 
 
+@pytest.mark.unit
 def test_policies() -> None:
     assert [p.name for p in parse_policies("none, prefix,sparsex")] == ["none", "prefix", "sparsex"]
     assert NAMED_POLICIES["naive"].overrides["recompute_ratio"] == 0.0
@@ -392,6 +401,7 @@ def test_policies() -> None:
             parse_policies(bad)
 
 
+@pytest.mark.unit
 def test_flop_model_matches_compute_share() -> None:
     fm = FlopModel(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
                       vocab=49152)
@@ -416,12 +426,14 @@ def test_flop_model_matches_compute_share() -> None:
         pytest.approx(fm.prefill(1000, 32, [(100, 900)], 60, 2)[0])
 
 
+@pytest.mark.unit
 def test_task_score() -> None:
     assert token_f1("The city of Adana, Turkey.", "City in Turkey") == pytest.approx(2 * (2 / 4) * (2 / 3) / (2 / 4 + 2 / 3))
     assert exact_match("A city in Turkey!", "city in turkey") == 1.0
     assert token_f1("", "x") == 0.0
 
 
+@pytest.mark.unit
 def test_config_verify() -> None:
     for kw in (dict(workload="web"), dict(fidelity_tokens=0), dict(fidelity_every=-1), dict(num_blocks=0),
                dict(params=WorkloadParams(queries=0)), dict(params=WorkloadParams(passage_tokens=(50, 10)))):
@@ -438,6 +450,7 @@ def _parse(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["workload", *argv])
 
 
+@pytest.mark.unit
 def test_rag_defaults_are_the_headline_configuration() -> None:
     """`sparsex bench workload --workload rag --policies none,sparsex --dtype float32` is the rag headline
     run of docs/benchmarks.md: 96 queries of 8 passages, the corpus ingested first in three passes,
@@ -456,6 +469,7 @@ def test_rag_defaults_are_the_headline_configuration() -> None:
     assert isinstance(stream, StreamConfig) and (stream.queries, stream.k) == (500, 2)
 
 
+@pytest.mark.unit
 def test_plots_without_matplotlib_fail_before_any_work(monkeypatch, tmp_path) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)     # as if the bench extra were not installed
     with pytest.raises(ValueError, match=r"pip install sparsex\[bench\]"):
@@ -494,6 +508,7 @@ def _cli(*args: str, env_extra: dict[str, str] | None = None,
     (("--workload", "chat", "--prewarm"), "prewarm ingests the rag corpus"),
     (("--workload", "chat", "--prompt-form", "stuffed"), "prompt form 'stuffed' applies to"),
 ])
+@pytest.mark.unit
 def test_bad_arguments_exit_2(args, needle, tmp_path) -> None:
     proc = _cli(*args, "--out", str(tmp_path))
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
@@ -501,12 +516,14 @@ def test_bad_arguments_exit_2(args, needle, tmp_path) -> None:
     assert not any(tmp_path.iterdir())                     # failed before writing anything
 
 
+@pytest.mark.unit
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_device_cuda_without_cuda_exits_2(tmp_path) -> None:
     proc = _cli("--device", "cuda", "--out", str(tmp_path))
     assert proc.returncode == 2 and "CUDA is not available" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.unit
 def test_plot_dir_without_matplotlib_exits_2_naming_the_extra(tmp_path) -> None:
     proc = _cli("--queries", "2", "--k", "2", "--out", str(tmp_path / "out"), "--plot-dir", str(tmp_path / "img"),
                 without_matplotlib=True)
@@ -514,11 +531,13 @@ def test_plot_dir_without_matplotlib_exits_2_naming_the_extra(tmp_path) -> None:
     assert not any(tmp_path.iterdir())                     # failed before writing anything
 
 
+@pytest.mark.unit
 def test_argparse_errors_exit_2() -> None:
     proc = _cli("--passage-tokens", "abc")
     assert proc.returncode == 2 and "MIN:MAX" in proc.stderr
 
 
+@pytest.mark.bench
 def test_peer_vllm_exports_the_workload_and_prints_instructions(tmp_path) -> None:
     proc = _cli("--peer", "vllm", "--queries", "2", "--k", "2", "--num-passages", "6", "--out", str(tmp_path),
                 env_extra={"SPARSEX_VLLM_PYTHON": ""})

@@ -15,6 +15,8 @@ from sparsex.bench.workloads import (
     rag_workload,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def n_tokens(tok, text: str) -> int:
     return len(tok(text, add_special_tokens=False)["input_ids"])
