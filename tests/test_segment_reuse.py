@@ -157,8 +157,9 @@ def test_counters_are_exact_and_prefix_plus_segments_work_together(llm_sx, passa
 @pytest.mark.model
 def test_bookkeeping_is_done_before_the_sampled_token_is_waited_for(llm_sx, passages, monkeypatch):
     """The blend's segment hits are unlocked, its new segments indexed and its blocks registered on
-    the exact and approximate chains while the forward runs (the step's `overlap`), not after the
-    sampled token: when the sampled token is read back, the step's bookkeeping is already complete."""
+    the exact and approximate chains while the forward runs (between the runner's `launch` and
+    `collect`), not after the sampled token: when the sampled token is read back, the step's
+    bookkeeping is already complete."""
     eng = llm_sx.llm_engine
     eng.reset_cache()
     run_to_completion(eng, _prompt(eng, HEAD, passages[:3], QUESTION), ONE)
