@@ -91,6 +91,7 @@ CASES = [
     _Case("temperature_0.5", temperature=0.5),
     _Case("temperature_2", temperature=2.0),
     _Case("top_k_3", top_k=3, expect_kept=3),
+    _Case("top_k_beyond_int64", top_k=2**70),                # larger than the vocabulary: keeps all
     _Case("top_p_0.6", top_p=0.6, expect_kept=3),           # cum .30 .50 .65
     _Case("top_p_0.01", top_p=0.01, expect_kept=1),         # only the top token
     _Case("min_p_0.3", min_p=0.3, expect_kept=5),           # keep p >= .09

@@ -231,7 +231,7 @@ def run_store_bench(cfg: StoreBenchConfig) -> dict:
                 sx.segment_index.remove(entry)
                 _sync(cfg)
                 t0 = time.perf_counter()
-                entry = store.install(record)
+                entry = store.install(record, sx.segment_index)
                 _sync(cfg)
                 dt = time.perf_counter() - t0
                 if entry is None:
@@ -264,7 +264,7 @@ def run_store_bench(cfg: StoreBenchConfig) -> dict:
                     raise RuntimeError(f"the {n}-token record is not in the store")
                 fetched = decode(got, None)
                 t2 = time.perf_counter()
-                entry = store.install(fetched)
+                entry = store.install(fetched, sx.segment_index)
                 _sync(cfg)
                 t3 = time.perf_counter()
                 if entry is None:

@@ -25,6 +25,9 @@ import torch
 from sparsex.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 
+_TOP_K_CAP = 2**31 - 1  # larger than any vocabulary
+
+
 @dataclass
 class SamplingBatch:
     """Per-row sampling knobs; built by the model runner once per step, one row per sequence."""
@@ -75,7 +78,9 @@ class SamplingBatch:
         return cls(
             temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
             top_p=torch.tensor([float(p.top_p) for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            # A top_k at or above the vocabulary keeps every token; clamping keeps an arbitrary
+            # Python int (the API allows any positive integer) inside int64.
+            top_k=torch.tensor([min(p.top_k, _TOP_K_CAP) for p in params], dtype=torch.int64, device=device),
             min_p=torch.tensor([float(p.min_p) for p in params], dtype=torch.float32, device=device),
             generators=list(generators),
             max_num_logprobs=max(logprob_ks) if logprob_ks else None,
