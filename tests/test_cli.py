@@ -1,5 +1,6 @@
-"""The `sparsex` command line: end-to-end runs in a subprocess on the real model, argument errors,
-and the subcommands' wiring and engine flags."""
+"""The `sparsex` command line: an end-to-end run of the real entry point (a subprocess) on the real
+model, runs of its commands in this process, argument errors, and the subcommands' wiring and engine
+flags."""
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,7 @@ def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None
 @pytest.mark.model
 @needs_smollm2
 def test_generate_prints_text_and_stats() -> None:
-    proc = run_cli("generate", "The capital of France is", "--max-tokens", "6", "--threads", "1")
+    proc = run_cli("generate", "The capital of France is", "--max-tokens", "6", "--threads", "2")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     text, _, stats = out.partition("--- stats ---")
@@ -56,36 +57,37 @@ def test_generate_prints_text_and_stats() -> None:
 
 @pytest.mark.model
 @needs_smollm2
-def test_generate_chat_with_segment_cache() -> None:
-    proc = run_cli("generate", "Name a planet.", "--chat", "--system", "Answer in one word.", "--cache", "sparsex",
-                   "--dtype", "float32", "--max-tokens", "4", "--threads", "1")
-    assert proc.returncode == 0, proc.stderr
-    assert "cache=sparsex" in proc.stdout and "float32" in proc.stdout
+def test_generate_chat_with_segment_cache(capsys: pytest.CaptureFixture, keep_threads) -> None:
+    assert cli.main(["generate", "Name a planet.", "--chat", "--system", "Answer in one word.", "--cache", "sparsex",
+                     "--dtype", "float32", "--max-tokens", "4", "--threads", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "cache=sparsex" in out and "float32" in out
 
 
-@pytest.mark.model
-@needs_smollm2
-def test_demo_quick_runs_end_to_end() -> None:
-    # the entry point and its flags; what the demo computes is checked on data in test_demo.py
-    proc = run_cli("demo", "--quick", "--no-compare", "--max-tokens", "4", "--dtype", "float32", "--threads", "1")
-    assert proc.returncode == 0, proc.stderr
-    assert "Traceback" not in proc.stderr
+@pytest.mark.unit
+def test_demo_flags_reach_its_config(monkeypatch: pytest.MonkeyPatch, keep_threads) -> None:
+    # what the demo computes, run through this command line, is checked on data in test_demo.py
+    from sparsex import demo
+    seen = []
+    monkeypatch.setattr(demo, "run_demo", lambda cfg: seen.append(cfg) or 0)
+    assert cli.main(["demo", "--quick", "--no-compare", "--max-tokens", "4", "--dtype", "float32", "--threads", "2"]) == 0
+    assert seen == [demo.DemoConfig(quick=True, compare=False, max_tokens=4, dtype="float32")]
 
 
 @pytest.mark.bench
 @needs_smollm2
-def test_bench_throughput_and_prefill_tiny(tmp_path: Path) -> None:
-    proc = run_cli("bench", "throughput", "--num-prompts", "2", "--input-len", "16", "--output-len", "4",
-                   "--dtype", "float32", "--threads", "1")
-    assert proc.returncode == 0, proc.stderr
-    assert "sparsex" in proc.stdout and "transformers" in proc.stdout and "output tok/s" in proc.stdout
+def test_bench_throughput_and_prefill_tiny(tmp_path: Path, capsys: pytest.CaptureFixture, keep_threads) -> None:
+    assert cli.main(["bench", "throughput", "--num-prompts", "2", "--input-len", "16", "--output-len", "4",
+                     "--dtype", "float32", "--threads", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "sparsex" in out and "transformers" in out and "output tok/s" in out
     plot = tmp_path / "prefill.png"
-    proc = run_cli("bench", "prefill", "--lengths", "16,32", "--repeats", "1", "--plot", str(plot), "--threads", "1")
-    assert proc.returncode == 0, proc.stderr
+    assert cli.main(["bench", "prefill", "--lengths", "16,32", "--repeats", "1", "--plot", str(plot), "--threads", "2"]) == 0
+    out = capsys.readouterr().out
     # one table row per requested length, each with positive timings, and the plot drawn from them
-    rows = {int(line.split()[0]): line.split()[1:4] for line in proc.stdout.splitlines()
+    rows = {int(line.split()[0]): line.split()[1:4] for line in out.splitlines()
             if line.split() and line.split()[0].isdigit()}
-    assert sorted(rows) == [16, 32] and all(float(v) > 0 for r in rows.values() for v in r), proc.stdout
+    assert sorted(rows) == [16, 32] and all(float(v) > 0 for r in rows.values() for v in r), out
     import matplotlib.image
     assert matplotlib.image.imread(plot).shape[:2] == (480, 720)      # figsize 6 x 4 in at 120 dpi
 
@@ -93,16 +95,29 @@ def test_bench_throughput_and_prefill_tiny(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- argument errors
 
 
+def main_exit(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]:
+    """`sparsex ARGV` in this process (argparse and the argument checks fail before anything heavy
+    runs): its exit status and stderr. A traceback would be an exception raised here."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
 @pytest.mark.unit
 @needs_smollm2
-def test_unknown_model_is_a_clean_error() -> None:
-    assert_clean_error(run_cli("generate", "hi", "--model", "no-such-model"), "unknown model 'no-such-model'")
-    assert_clean_error(run_cli("demo", "--model", "./missing/dir"), "does not exist")
+def test_unknown_model_is_a_clean_error(capsys: pytest.CaptureFixture) -> None:
+    code, err = main_exit(["generate", "hi", "--model", "no-such-model"], capsys)
+    assert code == 2 and "unknown model 'no-such-model'" in err
+    code, err = main_exit(["demo", "--model", "./missing/dir"], capsys)
+    assert code == 2 and "does not exist" in err
 
 
 @pytest.mark.unit
-def test_max_tokens_zero_is_a_clean_error() -> None:
-    assert_clean_error(run_cli("generate", "hi", "--max-tokens", "0"), "--max-tokens", "must be an integer >= 1")
+def test_max_tokens_zero_is_a_clean_error(capsys: pytest.CaptureFixture) -> None:
+    code, err = main_exit(["generate", "hi", "--max-tokens", "0"], capsys)
+    assert code == 2 and "--max-tokens" in err and "must be an integer >= 1" in err
 
 
 @pytest.mark.unit
@@ -118,18 +133,15 @@ def test_max_tokens_zero_is_a_clean_error() -> None:
     (["bench", "workload", "--passage-tokens", "abc"], "MIN:MAX"),     # `sparsex bench workload` is wired
 ])
 def test_bad_arguments_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture) -> None:
-    # In-process (argparse exits before anything heavy is imported); the subprocess tests above
-    # check that the real entry point prints no traceback.
-    with pytest.raises(SystemExit) as exc:
-        cli.main(argv)
-    assert exc.value.code == 2
-    assert needle in capsys.readouterr().err
+    code, err = main_exit(argv, capsys)
+    assert code == 2 and needle in err
 
 
 @pytest.mark.unit
-def test_missing_command_is_a_usage_error() -> None:
-    assert_clean_error(run_cli(), "usage:")
-    assert_clean_error(run_cli("bench"), "usage:")
+def test_missing_command_is_a_usage_error(capsys: pytest.CaptureFixture) -> None:
+    assert_clean_error(run_cli(), "usage:")                 # the real entry point: status 2, no traceback
+    code, err = main_exit(["bench"], capsys)
+    assert code == 2 and "usage:" in err
 
 
 @pytest.mark.unit

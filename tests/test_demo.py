@@ -1,20 +1,35 @@
-"""`sparsex demo` on the real SmolLM2: the rows it prints are the requests' own counters, its questions
-reuse the ingested passages, and its reference is a full prefill of the same prompts."""
+"""`sparsex demo` on the real SmolLM2, run through the command line: the rows it prints are the
+requests' own counters, its questions reuse the ingested passages, and its reference is a full
+prefill of the same prompts."""
 from __future__ import annotations
 
+import contextlib
 import io
 
 import pytest
-from rich.console import Console
 
-from sparsex.demo import DemoConfig, DemoReport, demo, demo_table
+from sparsex import cli
+from sparsex import demo as demo_module
+from sparsex.demo import DemoConfig, DemoReport, demo_table
 
 
 @pytest.fixture(scope="module")
 def demo_report() -> DemoReport:
+    """`sparsex demo --quick --max-tokens 4 --dtype float32` in this process: the report of the run it
+    printed."""
+    reports = []
+    run = demo_module.demo
+
+    def keep(cfg, console):
+        reports.append(run(cfg, console))
+        return reports[-1]
     out = io.StringIO()
-    report = demo(DemoConfig(quick=True, max_tokens=4, dtype="float32"), Console(file=out, width=80))
-    assert out.getvalue()             # it printed its table
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+        mp.setattr(demo_module, "demo", keep)
+        assert cli.main(["demo", "--quick", "--max-tokens", "4", "--dtype", "float32"]) == 0
+    (report,) = reports
+    printed = out.getvalue()
+    assert "TTFT" in printed and "done in" in printed            # it printed its table
     return report
 
 

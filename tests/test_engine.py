@@ -199,7 +199,7 @@ def test_cuda_without_cuda_is_a_clear_error():
 
 
 @pytest.mark.model
-def test_bf16_without_native_support_keeps_plain_linears(monkeypatch, smollm2, wiki_texts):
+def test_bf16_without_native_support_keeps_plain_linears(monkeypatch, llm_none, wiki_texts):
     """An AVX2-only CPU cannot reorder bf16 weights for oneDNN (it raises at load time): the engine
     must then keep F.linear, and still serve the same greedy text as a prepacked engine would."""
     from sparsex.layers import packed_linear
@@ -207,13 +207,13 @@ def test_bf16_without_native_support_keeps_plain_linears(monkeypatch, smollm2, w
     monkeypatch.setattr(packed_linear, "cpu_has_native_bf16", lambda: False)
     assert not packed_linear.prepack_supported(torch.device("cpu"), torch.bfloat16)
     assert packed_linear.prepack_supported(torch.device("cpu"), torch.float32)
-    llm = LLM(cache="prefix", dtype="bfloat16", seed=0)
+    llm = LLM(cache="prefix", dtype="bfloat16", seed=0, num_blocks=64)
     model = llm.llm_engine.runner.model
     assert not any(isinstance(m, packed_linear.PackedLinear) for m in model.modules())
     prompt = wiki_texts[0][:600]
     out = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) > 0
-    ref = LLM(cache="none", dtype="float32", seed=0).generate(prompt, GREEDY, use_tqdm=False)[0]
+    ref = llm_none.generate(prompt, GREEDY, use_tqdm=False)[0]
     # bf16 against fp32 on real text: the first greedy tokens agree
     assert out.outputs[0].token_ids[:4] == ref.outputs[0].token_ids[:4]
     llm.llm_engine.check_integrity()

@@ -10,7 +10,15 @@ from safetensors.torch import save_file
 
 from sparsex import LLM, SamplingParams
 
-MAX_NEW = 32
+MAX_NEW = 16          # decode crosses a block boundary of every prompt
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2):
+    """transformers' own Llama on the same weights: the reference every model path is checked against."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(smollm2.model_dir, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
 
 
 def _prompts(tokenizer, wiki_texts) -> list[list[int]]:
@@ -20,12 +28,12 @@ def _prompts(tokenizer, wiki_texts) -> list[list[int]]:
         "def fibonacci(n):\n    ",
         wiki_texts[0][:400] + "\n\nIn summary,",
         " ".join(wiki_texts[1:4]) + "\n\nThe three topics above are",
-        " ".join(wiki_texts[4:14]) + "\n\nQuestion: which of these is oldest? Answer:",   # ~1.5k tokens
+        " ".join(wiki_texts[4:8]) + "\n\nQuestion: which of these is oldest? Answer:",    # ~1k tokens
     ]
     chats = [
         "What is the tallest mountain on Earth?",
         "Summarise this:\n" + wiki_texts[14],
-        "Give three facts from these passages:\n" + "\n\n".join(wiki_texts[15:22]),
+        "Give three facts from these passages:\n" + "\n\n".join(wiki_texts[15:22]),     # ~1.6k tokens
     ]
     ids = [tokenizer.encode(p) for p in raw] + [chat(c) for c in chats]
     ids = [list(x["input_ids"]) if isinstance(x, dict) or hasattr(x, "keys") else list(x) for x in ids]
@@ -34,11 +42,12 @@ def _prompts(tokenizer, wiki_texts) -> list[list[int]]:
 
 @torch.no_grad()
 def _hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens for `ids` and their logprobs, from the logits of its own decode steps."""
     inp = torch.tensor([ids])
     out = model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    gen = out[0, len(ids):].tolist()
-    logits = model(out).logits[0, len(ids) - 1:-1].float()          # [n, vocab]: position t predicts gen[t]
+                         eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    gen = out.sequences[0, len(ids):].tolist()
+    logits = torch.cat(out.logits).float()                         # [n, vocab]: step t predicts gen[t]
     lps = torch.log_softmax(logits, -1).gather(1, torch.tensor(gen)[:, None])[:, 0]
     return gen, lps.tolist()
 
@@ -125,7 +134,7 @@ def test_qwen2_architecture_matches_transformers(tmp_path, smollm2):
         assert json.load(f)["model_type"] == "qwen2"
     ref = AutoModelForCausalLM.from_pretrained(qdir, dtype=torch.float32, attn_implementation="eager").eval()
     assert ref.model.layers[0].self_attn.q_proj.bias is not None
-    llm = LLM(model=qdir, cache="prefix", dtype="float32")
+    llm = LLM(model=qdir, cache="prefix", dtype="float32", num_blocks=256)
     prompts = [smollm2.tokenizer.encode(t) for t in ("Hello world, this is a test of", "1 2 3 4 5 6 7 8 9 10 " * 20)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1), use_tqdm=False)
@@ -168,23 +177,27 @@ def gemma3():
 def test_gemma3_270m_matches_transformers(gemma3, wiki_texts):
     from transformers import AutoModelForCausalLM
     ref = AutoModelForCausalLM.from_pretrained(gemma3.model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    llm = LLM(model="gemma3-270m", cache="prefix", dtype="float32")
+    llm = LLM(model="gemma3-270m", cache="prefix", dtype="float32", num_blocks=256)
     tok = llm.get_tokenizer()
     texts = ["The capital of France is", "def fibonacci(n):\n    ", wiki_texts[0][:400] + "\n\nIn summary,",
              " ".join(wiki_texts[1:6]) + "\n\nThe five topics above are"]     # the last: ~1k tokens, past the 512 window
     prompts = [tok.encode(t) for t in texts]
     assert max(map(len, prompts)) > 2 * gemma3.config.sliding_window
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1), use_tqdm=False)
-    for p, o in zip(prompts, outs):
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    with_prompt = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [greedy] * 3 + [with_prompt], use_tqdm=False)
+    for p, o in zip(prompts[:-1], outs):
         ref_ids, ref_lps = _hf_greedy(ref, p, 16)
         assert o.outputs[0].token_ids == ref_ids, f"prompt of {len(p)} tokens diverges"
         ours = [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
         assert max(abs(a - b) for a, b in zip(ours, ref_lps)) < 1e-3
-    ids = prompts[-1]
-    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
-                       use_tqdm=False)[0]
+    # the long prompt: its prompt logprobs and its greedy tokens against one transformers forward over
+    # the prompt and those tokens (greedy: each token is transformers' argmax where it was chosen)
+    ids, out = prompts[-1], outs[-1]
+    gen, n = out.outputs[0].token_ids, len(ids)
     with torch.no_grad():
-        want = torch.log_softmax(ref(torch.tensor([ids])).logits[0].float(), -1)    # [T, vocab]
-    assert max(abs(out.prompt_logprobs[p][ids[p]] - want[p - 1, ids[p]].item()) for p in range(1, len(ids))) < 1e-3
+        want = torch.log_softmax(ref(torch.tensor([ids + gen])).logits[0].float(), -1)    # [T + 16, vocab]
+    assert want[n - 1:-1].argmax(-1).tolist() == gen, f"prompt of {n} tokens diverges"
+    assert max(abs(lp[t] - want[n - 1 + i, t].item()) for i, (lp, t) in enumerate(zip(out.outputs[0].logprobs, gen))) < 1e-3
+    assert max(abs(out.prompt_logprobs[p][ids[p]] - want[p - 1, ids[p]].item()) for p in range(1, n)) < 1e-3
     llm.llm_engine.check_integrity()

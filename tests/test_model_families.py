@@ -21,6 +21,7 @@ from sparsex.models.model_config import ModelConfig
 from test_hf_parity import _hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+POOL = 256           # KV blocks of each engine: 4,096 tokens, past every prompt here (the default would be 1 GB)
 ONE = SamplingParams(temperature=0.0, max_tokens=1)
 WINDOW = 24          # sliding windows far below the prompt lengths, so the window really cuts
 
@@ -96,7 +97,7 @@ def family(request, tmp_path_factory, smollm2):
     name = request.param
     path = tmp_path_factory.mktemp(name)
     ref = build_family(name, smollm2.tokenizer, path)
-    llm = LLM(model=str(path), cache="prefix", dtype="float32")
+    llm = LLM(model=str(path), cache="prefix", dtype="float32", num_blocks=POOL)
     yield name, str(path), ref, llm
 
 
@@ -164,9 +165,10 @@ def test_prompt_logprobs_match_transformers(family, prompts):
 def test_chunked_prefill_preemption_and_batching_change_nothing(family, prompts):
     name, path, _, llm = family
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    batch = [{"prompt_token_ids": p} for p in prompts * 3]
-    alone = [llm.generate(b, params, use_tqdm=False)[0].outputs[0].token_ids for b in batch[:3]] * 3
-    # 24 blocks of 16 tokens cannot hold all nine prompts: preemption by recompute; 48-token chunks
+    batch = [{"prompt_token_ids": p} for p in prompts * 2]
+    alone = [llm.generate(b, params, use_tqdm=False)[0].outputs[0].token_ids for b in batch[:3]] * 2
+    # 24 blocks of 16 tokens cannot hold all six prompts (the two longest need 40): preemption by
+    # recompute; 48-token chunks
     tiny = LLM(model=path, cache="prefix", dtype="float32", num_blocks=24, max_num_batched_tokens=48)
     got = [o.outputs[0].token_ids for o in tiny.generate(batch, params, use_tqdm=False)]
     assert got == alone, name
@@ -181,8 +183,8 @@ def test_chunked_prefill_preemption_and_batching_change_nothing(family, prompts)
 @pytest.mark.model
 def test_selector_all_equals_plain_prefill_and_reuse_changes_the_keys(family, wiki_texts):
     name, path, _, _ = family
-    sx = LLM(model=path, cache="sparsex", dtype="float32", min_blend_tokens=0, transparent_segments=False)
-    full = LLM(model=path, cache="none", dtype="float32")
+    sx = LLM(model=path, cache="sparsex", dtype="float32", num_blocks=POOL, min_blend_tokens=0, transparent_segments=False)
+    full = LLM(model=path, cache="none", dtype="float32", num_blocks=POOL)
     eng, ref = sx.llm_engine, full.llm_engine
     passages = [t[:500] for t in wiki_texts[20:23]]
     question = "\nQuestion: which passage above is the oldest? Answer:"
@@ -333,7 +335,7 @@ def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path, smollm2, p
     tok.save_pretrained(tmp_path)
     with open(tmp_path / "config.json") as f:
         assert json.load(f)["model_type"] == "gemma3"
-    llm = LLM(model=str(tmp_path), cache="prefix", dtype="float32")
+    llm = LLM(model=str(tmp_path), cache="prefix", dtype="float32", num_blocks=POOL)
     assert llm.llm_engine.model_config.architecture == "gemma3_text"
     ids = prompts[1]
     out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),

@@ -100,10 +100,31 @@ def test_evicted_entries_come_back_from_host_memory_exactly(smollm2, llm_none, p
 
 
 @pytest.mark.model
-def test_without_a_host_tier_evicted_entries_are_gone(passages):
-    eng = LLM(cache="sparsex", dtype="float32", num_blocks=48, min_blend_tokens=0,
+def test_without_a_host_tier_evicted_entries_are_gone(smollm2, passages, wiki_texts):
+    """The same pressure with no host tier: the evicted passages' entries are gone for good (nothing is
+    spilled, nothing loads back), so a later prompt computes those passages afresh and reuses only what
+    the pool still holds."""
+    eng = LLM(cache="sparsex", dtype="float32", num_blocks=80, min_blend_tokens=0,
               transparent_segments=False).llm_engine
     assert eng.store is None and eng.stats().store is None
+    head, q = "System: answer from the passages.\n\n", "\nQuestion: which passage is the oldest? Answer:"
+    first = pieces_prompt(eng, [head, *passages[:3], q], [True] * 4 + [False])
+    run_to_completion(eng, first, ONE)
+    tok = eng.tokenizer
+    ids = [tok.encode(t, add_special_tokens=False) for t in passages[:3]]
+    assert all(eng.segment_index.lookup(i, None, count=False) is not None for i in ids)
+    run_to_completion(eng, pieces_prompt(eng, [" ".join(wiki_texts[30:36])[:4500]], [False]), ONE)
+    gone = [i for i in ids if eng.segment_index.lookup(i, None, count=False) is None]
+    assert gone and eng.segment_index.num_evicted >= len(gone)
+    eng.check_integrity()
+    p = pieces_prompt(eng, ["Another system prompt, so no prefix hit.\n", *passages[:3][::-1], q], [True] * 4 + [False])
+    out, _ = run_to_completion(eng, p, ONE)
+    assert out.reused_spans                                       # what the pool kept is still served
+    for g in gone:                                                # the evicted passages are computed afresh
+        start = next(i for i in range(len(p.token_ids)) if list(p.token_ids[i:i + len(g)]) == g)
+        assert not [s for s in out.reused_spans if s.start < start + len(g) and start < s.end], out.reused_spans
+    assert eng.stats().store is None
+    eng.check_integrity()
     with pytest.raises(ValueError, match="cache='sparsex'"):
         LLM(cache="prefix", host_kv_cache_memory=1 << 20)
     with pytest.raises(ValueError, match="redis://"):

