@@ -48,7 +48,8 @@ class ModelLoadTally:
     `loading_fixtures` names the fixtures (by their definition) whose set-up loaded a model: a `unit`
     test that uses one fails even when the fixture was built earlier by another test and is cached."""
     engines: int = 0
-    model_loads: int = 0
+    model_loads: int = 0            # load_model calls that read a model's files
+    dummy_loads: int = 0            # ... that built a dummy (random-weight) model: no files read
     unit_item: pytest.Item | None = None
     fixture_stack: list[pytest.FixtureDef] = field(default_factory=list)
     loading_fixtures: set[tuple[str, str]] = field(default_factory=set)
@@ -80,8 +81,10 @@ def _wrap_load_model(loader) -> None:
     @functools.wraps(original)
     def load_model(model=loader.DEFAULT_MODEL, *args, **kwargs):
         loaded = original(model, *args, **kwargs)
-        TALLY.model_loads += 1
-        if loaded.model_dir is not None:                  # a dummy model (random weights) reads no files
+        if loaded.model_dir is None:                      # a dummy model (random weights) reads no files
+            TALLY.dummy_loads += 1
+        else:
+            TALLY.model_loads += 1
             TALLY.loaded(f"loads the model {model!r} (load_model)")
         return loaded
 
@@ -186,7 +189,8 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     terminalreporter.write_line(f"engines built: {TALLY.engines} (LLMEngine constructions); "
-                                f"model loads: {TALLY.model_loads} (load_model calls), in this process")
+                                f"model loads: {TALLY.model_loads} (load_model calls reading weights; "
+                                f"{TALLY.dummy_loads} dummy models), in this process")
 
 
 @pytest.fixture(autouse=True)
