@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ class ModelLoadTally:
     engines: int = 0
     model_loads: int = 0            # load_model calls that read a model's files
     dummy_loads: int = 0            # ... that built a dummy (random-weight) model: no files read
+    shared_loads: int = 0           # ... answered with a model this run had already read
     unit_item: pytest.Item | None = None
     fixture_stack: list[pytest.FixtureDef] = field(default_factory=list)
     loading_fixtures: set[tuple[str, str]] = field(default_factory=set)
@@ -77,15 +79,30 @@ def _fixture_key(fixturedef: pytest.FixtureDef) -> tuple[str, str]:
 
 def _wrap_load_model(loader) -> None:
     original = loader.load_model
+    # One read per model and arguments serves the whole run: the engine copies a loaded model's
+    # weights into its own parameters and never writes to them. Only loads from the user's cache are
+    # shared; a test that names a cache (argument or $SPARSEX_CACHE_DIR) is testing the loader itself.
+    shared: dict[tuple, object] = {}
 
     @functools.wraps(original)
     def load_model(model=loader.DEFAULT_MODEL, *args, **kwargs):
-        loaded = original(model, *args, **kwargs)
-        if loaded.model_dir is None:                      # a dummy model (random weights) reads no files
-            TALLY.dummy_loads += 1
-        else:
+        key = None
+        if kwargs.get("cache_dir") is None and not os.environ.get(loader.CACHE_DIR_ENV):
+            # the loader's environment (a GGUF path override, say) is part of what was loaded
+            env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("SPARSEX_")))
+            key = (model, args, tuple(sorted(kwargs.items())), env)
+        loaded = shared.get(key) if key is not None else None
+        if loaded is None:
+            loaded = original(model, *args, **kwargs)
+            if loaded.model_dir is None:                  # a dummy model (random weights) reads no files
+                TALLY.dummy_loads += 1
+                return loaded
             TALLY.model_loads += 1
-            TALLY.loaded(f"loads the model {model!r} (load_model)")
+            if key is not None:
+                shared[key] = loaded
+        else:
+            TALLY.shared_loads += 1
+        TALLY.loaded(f"loads the model {model!r} (load_model)")
         return loaded
 
     for module in list(sys.modules.values()):           # the modules that bound it by name at their import
@@ -190,7 +207,8 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     terminalreporter.write_line(f"engines built: {TALLY.engines} (LLMEngine constructions); "
                                 f"model loads: {TALLY.model_loads} (load_model calls reading weights; "
-                                f"{TALLY.dummy_loads} dummy models), in this process")
+                                f"{TALLY.shared_loads} more served by those, {TALLY.dummy_loads} dummy models), "
+                                f"in this process")
 
 
 @pytest.fixture(autouse=True)

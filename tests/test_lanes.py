@@ -85,5 +85,5 @@ def test_the_guard_fails_mislabelled_and_unlabelled_tests(pytester: pytest.Pytes
         "*test_unit_touches_cuda is marked unit but initialises CUDA: mark it gpu",
         "*test_without_a_lane carries no lane mark: mark it one of unit, model, bench, gpu*",
         "engines built: 0 (LLMEngine constructions); model loads: 0 (load_model calls reading weights; "
-        "0 dummy models), in this process",
+        "0 more served by those, 0 dummy models), in this process",
     ])
