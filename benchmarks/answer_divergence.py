@@ -112,17 +112,16 @@ def report(policy: str, total: int, divs: list[Divergence]) -> str:
         return f"{policy}: every answer equals full prefill's ({total} requests)"
     worse = sum(d.f1_policy < d.f1_none for d in divs)
     better = sum(d.f1_policy > d.f1_none for d in divs)
-    first_token = sum(d.match_len == 0 for d in divs)
     med = statistics.median
+    forced = [d.match_len for d in divs if d.match_len is not None]     # runs without fidelity have none
     rows = [
         ("answers that differ from full prefill's", f"{n} of {total}"),
         ("... F1 worse / better / equal", f"{worse} / {better} / {n - worse - better}"),
         ("... F1 on them: full prefill, policy", f"{statistics.mean(d.f1_none for d in divs):.3f}, "
                                                  f"{statistics.mean(d.f1_policy for d in divs):.3f}"),
-        ("... differ at the first token", f"{first_token}"),
+        ("... differ at the first token (teacher-forced)", f"{forced.count(0)}" if forced else "–"),
         ("... teacher-forced agreement before the first miss, median [min, max] tokens",
-         f"{med([d.match_len or 0 for d in divs]):.0f} [{min(d.match_len or 0 for d in divs)}, "
-         f"{max(d.match_len or 0 for d in divs)}]"),
+         f"{med(forced):.0f} [{min(forced)}, {max(forced)}]" if forced else "–"),
         ("... first differing word, median", f"{med([d.first_word for d in divs]):.0f}"),
         ("... words: full prefill, policy (mean)", f"{statistics.mean(d.words_none for d in divs):.1f}, "
                                                    f"{statistics.mean(d.words_policy for d in divs):.1f}"),

@@ -231,6 +231,20 @@ def keep_threads():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def exit_status(capsys):
+    """`exit_status(main, argv)`: a command's `main(argv)` run in this process, as (exit status, stderr).
+    argparse and the argument checks exit before anything heavy runs; a traceback would be an
+    exception raised here instead."""
+    def run(main, argv: list[str]) -> tuple[int, str]:
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+        return code, capsys.readouterr().err
+    return run
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     from sparsex.models.loader import load_model

@@ -60,7 +60,10 @@ def test_divergences_pair_by_request_and_report_counts_them():
     text = report("p", total, divs)
     assert "| answers that differ from full prefill's | 2 of 3 |" in text
     assert "| ... F1 worse / better / equal | 1 / 1 / 0 |" in text
-    assert "| ... differ at the first token | 1 |" in text
+    assert "| ... differ at the first token (teacher-forced) | 1 |" in text
+    assert "| ... teacher-forced agreement before the first miss, median [min, max] tokens | 2 [0, 3] |" in text
     assert "| ... of the policy's worse answers, with a name from another passage | 1 of 1 |" in text
+    untimed = [dict(r, match_len=None) for r in records]                 # a run without fidelity
+    assert "| ... differ at the first token (teacher-forced) | – |" in report("p", *divergences(untimed, reqs, "p"))
     with pytest.raises(ValueError, match="'none'"):
         divergences([r for r in records if r["policy"] == "p"], reqs, "p")

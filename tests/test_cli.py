@@ -95,28 +95,18 @@ def test_bench_throughput_and_prefill_tiny(tmp_path: Path, capsys: pytest.Captur
 # ---------------------------------------------------------------- argument errors
 
 
-def main_exit(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]:
-    """`sparsex ARGV` in this process (argparse and the argument checks fail before anything heavy
-    runs): its exit status and stderr. A traceback would be an exception raised here."""
-    try:
-        code = cli.main(argv)
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr().err
-
-
 @pytest.mark.unit
 @needs_smollm2
-def test_unknown_model_is_a_clean_error(capsys: pytest.CaptureFixture) -> None:
-    code, err = main_exit(["generate", "hi", "--model", "no-such-model"], capsys)
+def test_unknown_model_is_a_clean_error(exit_status) -> None:
+    code, err = exit_status(cli.main, ["generate", "hi", "--model", "no-such-model"])
     assert code == 2 and "unknown model 'no-such-model'" in err
-    code, err = main_exit(["demo", "--model", "./missing/dir"], capsys)
+    code, err = exit_status(cli.main, ["demo", "--model", "./missing/dir"])
     assert code == 2 and "does not exist" in err
 
 
 @pytest.mark.unit
-def test_max_tokens_zero_is_a_clean_error(capsys: pytest.CaptureFixture) -> None:
-    code, err = main_exit(["generate", "hi", "--max-tokens", "0"], capsys)
+def test_max_tokens_zero_is_a_clean_error(exit_status) -> None:
+    code, err = exit_status(cli.main, ["generate", "hi", "--max-tokens", "0"])
     assert code == 2 and "--max-tokens" in err and "must be an integer >= 1" in err
 
 
@@ -132,15 +122,15 @@ def test_max_tokens_zero_is_a_clean_error(capsys: pytest.CaptureFixture) -> None
     (["bench", "throughput", "--num-prompts", "0"], "--num-prompts"),
     (["bench", "workload", "--passage-tokens", "abc"], "MIN:MAX"),     # `sparsex bench workload` is wired
 ])
-def test_bad_arguments_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture) -> None:
-    code, err = main_exit(argv, capsys)
+def test_bad_arguments_exit_2(argv: list[str], needle: str, exit_status) -> None:
+    code, err = exit_status(cli.main, argv)
     assert code == 2 and needle in err
 
 
 @pytest.mark.unit
-def test_missing_command_is_a_usage_error(capsys: pytest.CaptureFixture) -> None:
+def test_missing_command_is_a_usage_error(exit_status) -> None:
     assert_clean_error(run_cli(), "usage:")                 # the real entry point: status 2, no traceback
-    code, err = main_exit(["bench"], capsys)
+    code, err = exit_status(cli.main, ["bench"])
     assert code == 2 and "usage:" in err
 
 

@@ -96,11 +96,7 @@ def test_store_bench_tiny(tmp_path: Path, capsys: pytest.CaptureFixture, keep_th
     (("replicas", "--queries", "1"), "queries must be >= 2"),
     (("replicas", "--redis-server", "/nonexistent/redis-server"), "not an executable file"),
 ])
-def test_bad_arguments_exit_2(args, needle, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    # in this process: the checks fail before anything loads (a traceback would be an exception here)
-    try:
-        code = cli.main(["bench", *args, "--out", str(tmp_path / "out")])
-    except SystemExit as e:
-        code = e.code
-    assert code == 2 and needle in capsys.readouterr().err
+def test_bad_arguments_exit_2(args, needle, tmp_path: Path, exit_status) -> None:
+    code, err = exit_status(cli.main, ["bench", *args, "--out", str(tmp_path / "out")])
+    assert code == 2 and needle in err
     assert not (tmp_path / "out").exists()                 # failed before writing anything

@@ -472,10 +472,9 @@ def test_rag_defaults_build_the_headline_workload(engines, tmp_path) -> None:
                            make_preamble=lambda tok, used: ingestion_preamble(cfg, tok, used),
                            prewarm_passes=cfg.prewarm_passes, seed=cfg.params.seed)
     assert len(w.requests) == queries
-    for r in w.requests:
-        passages = r.segments[1:-1]
-        assert len(passages) == k
-        assert all(300 <= len(w.tokenizer.encode(p, add_special_tokens=False)) <= 500 for p in passages)
+    assert all(len(r.segments[1:-1]) == k for r in w.requests)
+    passages = {p for r in w.requests for p in r.segments[1:-1]}
+    assert all(300 <= len(w.tokenizer.encode(p, add_special_tokens=False)) <= 500 for p in passages)
     assert w.warm_prompts and len(w.rewarm_prompts) == 2 * len(w.warm_prompts)          # three passes
     extra = cfg.fidelity_tokens + cfg.answer_tokens + 1           # what each request adds to its prompt
     whole = pool_blocks(w.prompts + w.warm_prompts + w.rewarm_prompts, extra, w.block_size, whole=True)
@@ -508,16 +507,6 @@ def _cli(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.Comp
                           capture_output=True, text=True, timeout=300, env=env)
 
 
-def _main(capsys, *args: str) -> tuple[int, str]:
-    """`python -m sparsex.bench.workload_bench ARGS` in this process (the argument checks fail before
-    anything loads): its exit status and stderr. A traceback would be an exception raised here."""
-    try:
-        code = wb.main(list(args))
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr().err
-
-
 @pytest.mark.parametrize("args, needle", [
     (("--workload", "web"), "unknown workload"),
     (("--policies", "none,nope"), "nope"),
@@ -532,31 +521,31 @@ def _main(capsys, *args: str) -> tuple[int, str]:
     (("--workload", "chat", "--prompt-form", "stuffed"), "prompt form 'stuffed' applies to"),
 ])
 @pytest.mark.unit
-def test_bad_arguments_exit_2(args, needle, tmp_path, capsys) -> None:
-    code, err = _main(capsys, *args, "--out", str(tmp_path))
+def test_bad_arguments_exit_2(args, needle, tmp_path, exit_status) -> None:
+    code, err = exit_status(wb.main, [*args, "--out", str(tmp_path)])
     assert code == 2 and needle in err, err
     assert not any(tmp_path.iterdir())                     # failed before writing anything
 
 
 @pytest.mark.unit
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
-def test_device_cuda_without_cuda_exits_2(tmp_path, capsys) -> None:
-    code, err = _main(capsys, "--device", "cuda", "--out", str(tmp_path))
+def test_device_cuda_without_cuda_exits_2(tmp_path, exit_status) -> None:
+    code, err = exit_status(wb.main, ["--device", "cuda", "--out", str(tmp_path)])
     assert code == 2 and "CUDA is not available" in err
 
 
 @pytest.mark.unit
-def test_plot_dir_without_matplotlib_exits_2_naming_the_extra(tmp_path, capsys, monkeypatch) -> None:
+def test_plot_dir_without_matplotlib_exits_2_naming_the_extra(tmp_path, exit_status, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)     # as if the bench extra were not installed
-    code, err = _main(capsys, "--queries", "2", "--k", "2", "--out", str(tmp_path / "out"),
-                      "--plot-dir", str(tmp_path / "img"))
+    code, err = exit_status(wb.main, ["--queries", "2", "--k", "2", "--out", str(tmp_path / "out"),
+                                      "--plot-dir", str(tmp_path / "img")])
     assert code == 2 and "pip install sparsex[bench]" in err
     assert not any(tmp_path.iterdir())                     # failed before writing anything
 
 
 @pytest.mark.unit
-def test_argparse_errors_exit_2(capsys) -> None:
-    code, err = _main(capsys, "--passage-tokens", "abc")
+def test_argparse_errors_exit_2(exit_status) -> None:
+    code, err = exit_status(wb.main, ["--passage-tokens", "abc"])
     assert code == 2 and "MIN:MAX" in err
 
 
