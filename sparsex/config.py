@@ -49,7 +49,16 @@ def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     return _DTYPES[dtype]
 
 
-_NOT_IN_KV_KEY = ("approx_prefix", "merge_encodings", "blend", "transparent_segments")
+_NOT_IN_KV_KEY = ("reuse_profile", "approx_prefix", "merge_encodings", "blend", "transparent_segments")
+
+# Named sets of the knobs that trade prefill work for closeness to full prefill, measured on SmolLM2-135M
+# rag (docs/benchmarks/reuse-quality.md, "Profiles"). `default` is ReuseConfig's declared defaults.
+REUSE_PROFILES: dict[str, dict[str, Any]] = {
+    "fast": {"full_layers": 2, "recompute_ratio": 0.125},
+    "default": {"full_layers": 4, "recompute_ratio": 0.125},
+    "quality": {"full_layers": 2, "recompute_ratio": 0.5},
+}
+PROFILE_KNOBS = ("full_layers", "recompute_ratio")      # what a profile sets (every profile sets each)
 
 
 def knob(default: Any, help: str, *, advanced: bool = False, choices: Sequence[Any] | None = None,
@@ -167,8 +176,15 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 class ReuseConfig:
     """Segment-reuse knobs: the engine's defaults, each overridable per request (`reuse=`).
 
-    Measurements behind the defaults: docs/benchmarks/defaults.md (the section named in each comment)."""
-    full_layers: int = knob(2, "layers 0..full_layers-1 recompute every token of a reused segment", ge=0)
+    Measurements behind the defaults: docs/benchmarks/defaults.md (the section named in each comment).
+    `reuse_profile` sets full_layers and recompute_ratio together (`with_overrides`); the declared
+    defaults below are the `default` profile's."""
+    reuse_profile: str = knob("default", "a named set of full_layers and recompute_ratio: fast (least compute), "
+                                         "default, quality (closest to full prefill); an explicit full_layers or "
+                                         "recompute_ratio wins over it", choices=tuple(REUSE_PROFILES))
+    # 4 full layers: at 1.3x the compute of 2, half the answer-F1 cost and a lower KL on rag
+    # (docs/benchmarks/reuse-quality.md, "Where the answer cost comes from")
+    full_layers: int = knob(4, "layers 0..full_layers-1 recompute every token of a reused segment", ge=0)
     # 0.125 with sparse_q's two stages costs what one stage at 0.15 costs, at lower KL
     # (docs/benchmarks/defaults.md, two-stage selection)
     recompute_ratio: float = knob(0.125, "share of reused tokens recomputed in the sparse layers "
@@ -214,6 +230,34 @@ class ReuseConfig:
     blend: bool = knob(True, "off: the request reuses no segment (computed exactly; exact prefix caching still "
                              "applies) but indexes or merges its segments, as an ingestion pass does",
                        advanced=True)
+
+    def with_overrides(self, overrides: dict[str, Any] | None) -> ReuseConfig:
+        """This config with `overrides` (ReuseConfig fields by name): a `reuse_profile` among them sets
+        that profile's knobs first, then the other overrides apply over it (explicit knobs win).
+        An unknown name raises ValueError naming it."""
+        if not overrides:
+            return self
+        fields = {f.name for f in dataclasses.fields(ReuseConfig)}
+        unknown = set(overrides) - fields
+        if unknown:
+            raise ValueError(f"unknown segment-reuse option(s) {sorted(unknown)}; known: {sorted(fields)}")
+        rest = dict(overrides)
+        profile = rest.pop("reuse_profile", None)
+        base = self
+        if profile is not None:
+            check_knob(ReuseConfig, knob_field(ReuseConfig, "reuse_profile"), profile)
+            base = dataclasses.replace(self, reuse_profile=profile, **REUSE_PROFILES[profile])
+        return dataclasses.replace(base, **rest)
+
+    def for_model(self, num_layers: int) -> ReuseConfig:
+        """A profile's full_layers fitted to a shallow model: at most half its layers (at least 2, at
+        most all), so blending still has sparse layers to save. A full_layers other than the
+        profile's is the caller's and left as given (`verify` names one beyond the model)."""
+        profile_layers = REUSE_PROFILES[self.reuse_profile]["full_layers"]
+        cap = min(num_layers, max(2, num_layers // 2))
+        if self.full_layers == profile_layers and self.full_layers > cap:
+            return dataclasses.replace(self, full_layers=cap)
+        return self
 
     def verify(self, num_layers: int | None = None) -> None:
         """Each knob against its declaration (`check_knobs`), then the rules between knobs and the
@@ -291,6 +335,10 @@ class EngineConfig:
     segment_store_fetch: str = knob("auto", "when to fetch a span from the shared store: auto (when cheaper "
                                             "than recomputing it, as measured), always, never",
                                     advanced=True, choices=STORE_FETCH_MODES)
+    # sparsex/engine/quality_monitor.py; docs/server.md, "Live quality monitor"
+    quality_sample: float = knob(0.0, "share of blended requests whose served answer is scored against full "
+                                      "prefill (teacher-forced KL, top-1) in idle capacity only; 0 = off",
+                                 ge=0.0, le=1.0)
     reuse: ReuseConfig | None = dataclasses.field(default=None, metadata={"nested": True})
 
     @classmethod
@@ -305,7 +353,7 @@ class EngineConfig:
         if not isinstance(base, ReuseConfig):
             raise TypeError(f"reuse must be a ReuseConfig, got {type(base).__name__}")
         flat = {k: v for k, v in knobs.items() if k in reuse}
-        return cls(**{k: v for k, v in knobs.items() if k in engine}, reuse=dataclasses.replace(base, **flat))
+        return cls(**{k: v for k, v in knobs.items() if k in engine}, reuse=base.with_overrides(flat))
 
     def __post_init__(self) -> None:
         if self.reuse is None:
@@ -317,6 +365,8 @@ class EngineConfig:
         if self.segment_store is not None:
             if not isinstance(self.segment_store, str) or not self.segment_store.startswith(("redis://", "rediss://")):
                 raise ValueError(f"segment_store must be a redis:// or rediss:// URL, got {self.segment_store!r}")
+        if self.quality_sample and self.cache != "sparsex":
+            raise ValueError(f"quality_sample scores segment reuse: it needs cache='sparsex', got cache={self.cache!r}")
         if (self.segment_store is not None or self.host_kv_cache_memory) and self.cache != "sparsex":
             raise ValueError(f"segment_store / host_kv_cache_memory hold segment entries: they need cache='sparsex', "
                              f"got cache={self.cache!r}")

@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 from typing import Any, Callable
 
-from sparsex.config import check_knob, knob_field, knob_meta, knob_type
+from sparsex.config import PROFILE_KNOBS, REUSE_PROFILES, ReuseConfig, check_knob, knob_field, knob_meta, knob_type
 
 
 def _checked(cls: type, f: dataclasses.Field, parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -29,9 +29,17 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def knob_help(f: dataclasses.Field) -> str:
+def profile_knob(cls: type, name: str) -> bool:
+    """A knob `reuse_profile` sets: its flag has no default of its own, so an unset flag leaves the
+    profile's value in force (argparse leaves the attribute out)."""
+    return cls is ReuseConfig and name in PROFILE_KNOBS
+
+
+def knob_help(f: dataclasses.Field, cls: type | None = None) -> str:
     """A knob's --help line: its help text and its default."""
     shown = "unset" if f.default is None else f.default
+    if cls is not None and profile_knob(cls, f.name):
+        shown = "the profile's: " + ", ".join(f"{p} {v[f.name]}" for p, v in REUSE_PROFILES.items())
     return f"{knob_meta(f)['help']} (default: {shown})".lstrip()
 
 
@@ -42,10 +50,11 @@ def add_knob_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type
     knobs take --X / --no-X."""
     f = knob_field(cls, name)
     meta = knob_meta(f)
-    text = knob_help(f) if help is None else help
+    text = knob_help(f, cls) if help is None else help
     if knob_type(cls, f) is bool:
         p.add_argument(flag_name(name), dest=name, action=argparse.BooleanOptionalAction, default=f.default,
                        help=text)
         return
-    p.add_argument(flag_name(name), dest=name, default=f.default, choices=meta["choices"],
+    default = argparse.SUPPRESS if profile_knob(cls, name) else f.default
+    p.add_argument(flag_name(name), dest=name, default=default, choices=meta["choices"],
                    type=_checked(cls, f, meta["parse"] or knob_type(cls, f)), help=text)

@@ -12,15 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 if TYPE_CHECKING:
+    from sparsex.config import ReuseConfig
     from sparsex.engine.llm_engine import EngineStats
     from sparsex.outputs import RequestOutput
 
 _PREFIX = "sparsex:"
 # Buckets (seconds) sized for CPU serving of small models up to GPU serving of larger ones.
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_KL_BUCKETS = (0.0001, 0.0003, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.3, 1.0)
+_TOP1_BUCKETS = (0.5, 0.75, 0.9, 0.95, 0.97, 0.99, 1.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 _SELECTION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -37,6 +40,10 @@ _COUNTER_FIELDS = {
                                   "Reused prompt tokens found by content inside any prompt (transparent segments)."),
     "recomputed_tokens": ("sparse_kv_recomputed_tokens", "Reused tokens recomputed in the sparse layers."),
     "num_preemptions": ("num_preemptions", "Requests preempted (KV pool exhausted), recomputed later."),
+    "quality_sampled": ("reuse_quality_sampled", "Blended requests the quality monitor chose to score (--quality-sample)."),
+    "quality_compared": ("reuse_quality_compared", "Sampled requests scored against full prefill in idle capacity."),
+    "quality_dropped": ("reuse_quality_dropped", "Sampled requests never scored: the queue overflowed under load, or "
+                                                 "a request arrived while scoring."),
 }
 
 
@@ -68,10 +75,17 @@ class _Track:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, reuse: ReuseConfig | None = None):
+        """`reuse`: the engine's segment-reuse knobs (None without segment reuse), published once as
+        `sparsex:reuse_config_info` so a dashboard shows which profile and knobs the answers came from."""
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         r, lbl = self.registry, ["model_name"]
+        if reuse is not None:
+            Info(_PREFIX + "reuse_config", "The engine's segment-reuse profile and the knobs in force.",
+                 registry=r).info({"model_name": model_name, "reuse_profile": reuse.reuse_profile,
+                                   "full_layers": str(reuse.full_layers),
+                                   "recompute_ratio": str(reuse.recompute_ratio), "selector": reuse.selector})
 
         def hist(name: str, doc: str, buckets) -> Histogram:
             return Histogram(_PREFIX + name, doc, lbl, registry=r, buckets=buckets)
@@ -83,6 +97,10 @@ class ServerMetrics:
                               "Host time a blended step spent scoring and selecting tokens to recompute (segment reuse); "
                               "on a GPU this is kernel launch time, not device time.",
                               _SELECTION_BUCKETS).labels(model_name)
+        self.reuse_kl = hist("reuse_kl", "Quality monitor: KL(full prefill || blended) per scored answer, mean over its "
+                                         "tokens (nats).", _KL_BUCKETS).labels(model_name)
+        self.reuse_top1 = hist("reuse_top1", "Quality monitor: share of a scored answer's tokens where the blend's "
+                                             "top-1 is full prefill's.", _TOP1_BUCKETS).labels(model_name)
         self.running = Gauge(_PREFIX + "num_requests_running", "Requests in the running batch.", lbl, registry=r).labels(model_name)
         self.waiting = Gauge(_PREFIX + "num_requests_waiting", "Requests waiting to be scheduled.", lbl, registry=r).labels(model_name)
         self.kv_usage = Gauge(_PREFIX + "kv_cache_usage_perc",
@@ -114,6 +132,12 @@ class ServerMetrics:
         self._tracks: dict[str, _Track] = {}
 
     # ---- engine-loop hooks ----------------------------------------------------------------------
+    def on_quality(self, results: list) -> None:
+        """Scores from the quality monitor (engine/quality_monitor.QualityResult)."""
+        for r in results:
+            self.reuse_kl.observe(r.kl)
+            self.reuse_top1.observe(r.top1)
+
     def on_added(self, request_id: str, arrival: float, num_prompt_tokens: int) -> None:
         self._tracks[request_id] = _Track(arrival, arrival, num_prompt_tokens=num_prompt_tokens)
 

@@ -14,7 +14,7 @@ import torch
 
 import sparsex.entrypoints.llm as llm_module
 from sparsex import LLM, cli
-from sparsex.config import (EngineConfig, ReuseConfig, engine_knob_names, knob_field, knob_meta, knob_rule, knob_type,
+from sparsex.config import (PROFILE_KNOBS, REUSE_PROFILES, EngineConfig, ReuseConfig, engine_knob_names, knob_field, knob_meta, knob_rule, knob_type,
                             reuse_knob_names)
 from sparsex.demo import DemoConfig
 from sparsex.entrypoints.ingest import IngestParams
@@ -233,3 +233,55 @@ def test_ingest_defaults_are_declared_once():
 def test_unknown_knob_is_a_type_error_listing_valid_ones():
     with pytest.raises(TypeError, match=re.escape("['full_layer']") + ".*'full_layers'"):
         EngineConfig.from_knobs(full_layer=3)
+
+
+def test_the_declared_reuse_defaults_are_the_default_profile():
+    reuse = ReuseConfig()
+    assert reuse.reuse_profile == "default"
+    assert all(set(knobs) == set(PROFILE_KNOBS) for knobs in REUSE_PROFILES.values())
+    assert {k: getattr(reuse, k) for k in PROFILE_KNOBS} == REUSE_PROFILES["default"]
+
+
+@pytest.mark.parametrize("profile", sorted(REUSE_PROFILES))
+def test_a_profile_sets_its_knobs_and_explicit_knobs_win(profile):
+    knobs = REUSE_PROFILES[profile]
+    for make in (lambda **k: EngineConfig.from_knobs(**k).reuse,
+                 lambda **k: engine_config(cli.build_parser().parse_args(
+                     ["serve", *(a for n, v in k.items() for a in (flag_name(n), str(v)))])).reuse,
+                 lambda **k: ReuseConfig().with_overrides(k)):
+        got = make(reuse_profile=profile)
+        assert (got.reuse_profile, got.full_layers, got.recompute_ratio) == \
+            (profile, knobs["full_layers"], knobs["recompute_ratio"])
+        got = make(reuse_profile=profile, full_layers=3, selector="kv_deviation")
+        assert (got.full_layers, got.recompute_ratio, got.selector) == (3, knobs["recompute_ratio"], "kv_deviation")
+    # a request's profile starts from the engine's other knobs (here min_blend_tokens=0)
+    engine = EngineConfig.from_knobs(min_blend_tokens=0, recompute_ratio=0.3).reuse
+    got = engine.with_overrides({"reuse_profile": profile})
+    assert (got.min_blend_tokens, got.recompute_ratio) == (0, knobs["recompute_ratio"])
+
+
+def test_an_unknown_profile_is_refused_naming_it():
+    for make in (lambda: EngineConfig.from_knobs(reuse_profile="best"),
+                 lambda: ReuseConfig().with_overrides({"reuse_profile": "best"})):
+        with pytest.raises(ValueError, match="reuse_profile must be one of .*'quality'.* got 'best'"):
+            make()
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--reuse-profile", "best"])
+    with pytest.raises(ValueError, match=r"unknown segment-reuse option\(s\) \['profile'\]"):
+        ReuseConfig().with_overrides({"profile": "quality"})
+
+
+def test_a_profile_is_fitted_to_a_shallow_model_and_an_explicit_depth_is_not():
+    assert ReuseConfig().for_model(30).full_layers == 4
+    assert [ReuseConfig().for_model(n).full_layers for n in (1, 2, 3, 4, 6, 8)] == [1, 2, 2, 2, 3, 4]
+    explicit = EngineConfig.from_knobs(full_layers=3).reuse
+    assert explicit.for_model(4).full_layers == 3
+    with pytest.raises(ValueError, match="full_layers=3 exceeds the model's 2 layers"):
+        explicit.for_model(2).verify(2)
+
+
+def test_the_profile_is_no_part_of_the_kv_key():
+    """Two configs with the same knobs blend the same KV, whichever profile named them."""
+    named = ReuseConfig().with_overrides({"reuse_profile": "quality"})
+    spelled = ReuseConfig(full_layers=2, recompute_ratio=0.5)
+    assert named.kv_key == spelled.kv_key and named != spelled

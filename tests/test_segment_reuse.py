@@ -783,3 +783,23 @@ def test_reuse_skipped_says_why_found_segments_were_not_reused(llm_sx, passages)
     assert out.reuse_skipped is None and out.num_reused_tokens == sum(s.end - s.start for s in p.segments)
     out = run(blend=False)
     assert out.reuse_skipped == "blend=False: computed exactly" and out.num_reused_tokens == 0
+
+
+@pytest.mark.model
+def test_a_request_names_a_reuse_profile_and_its_explicit_knobs_win(llm_sx, passages):
+    eng = llm_sx.llm_engine
+    eng.reset_cache()
+    tok = eng.tokenizer
+    run_to_completion(eng, _prompt(eng, HEAD, passages[:3], QUESTION), ONE)                  # register
+    p = _prompt(eng, "Another system prompt, so no prefix hit.\n", passages[:3][::-1], QUESTION)
+    reused = sum(len(tok.encode(x, add_special_tokens=False)) for x in passages[:3])
+    common = {"min_context_tokens": 0}
+    quality, _ = run_to_completion(eng, p, ONE, reuse={**common, "reuse_profile": "quality"})
+    assert quality.num_reused_tokens == reused and quality.num_recomputed_tokens == round(0.5 * reused)
+    mine, _ = run_to_completion(eng, p, ONE, reuse={**common, "reuse_profile": "quality", "recompute_ratio": 0.2})
+    assert mine.num_recomputed_tokens == round(0.2 * reused)
+    with pytest.raises(ValueError, match="reuse_profile must be one of"):
+        eng.add_request("bad-profile", p, ONE, reuse={"reuse_profile": "best"})
+    assert "bad-profile" not in eng.requests
+    out, _ = run_to_completion(eng, p, ONE, reuse=common)            # the engine serves on
+    assert out.num_reused_tokens == reused

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from sparsex.engine.llm_engine import EngineStats
+from sparsex.config import EngineConfig
 from sparsex.entrypoints.async_engine import AsyncLLM, EngineClosedError
 from sparsex.entrypoints.background_server import BackgroundServer
 from sparsex.inputs import TokenizedPrompt
@@ -39,6 +40,8 @@ class ScriptedEngine:
     model_name = MODEL
     max_model_len = 128
     tokenizer = None
+    config = EngineConfig(cache="prefix")      # what AsyncLLM reads: no segment reuse, so no reuse metrics
+    quality_monitor = None
 
     def __init__(self, capacity: int = 8):
         self.capacity = capacity

@@ -358,6 +358,12 @@ def test_policies() -> None:
     assert NAMED_POLICIES["sparsex"].overrides is None                  # engine defaults
     assert NAMED_POLICIES["sparsex"].knobs().min_blend_tokens == 256
     assert NAMED_POLICIES["sparsex-every-hit"].overrides == {"min_blend_tokens": 0}
+    # the other reuse profiles: the profile's knobs, everything else the engine's defaults
+    assert NAMED_POLICIES["sparsex-quality"].overrides == {"reuse_profile": "quality"}
+    quality, fast = NAMED_POLICIES["sparsex-quality"].knobs(), NAMED_POLICIES["sparsex-fast"].knobs()
+    assert (quality.full_layers, quality.recompute_ratio, quality.min_blend_tokens) == (2, 0.5, 256)
+    assert (fast.full_layers, fast.recompute_ratio, fast.resolved(30).rescore_layers) == (2, 0.125, 2)
+    assert NAMED_POLICIES["sparsex"].knobs().full_layers == 4
     # the baselines and rule specs blend every hit, as the papers' rules do
     for name in ("naive", "epic16", "epic32", "cacheblend"):
         assert NAMED_POLICIES[name].knobs().min_blend_tokens == 0, name
@@ -379,7 +385,7 @@ def test_policies() -> None:
     assert NAMED_POLICIES["sparsex"].knobs().rescore_layers is None
     assert NAMED_POLICIES["sparsex"].knobs().resolved(30).rescore_layers == 2
     assert NAMED_POLICIES["sparsex-every-hit"].knobs().resolved(30).rescore_layers == 2
-    auto = parse_policies("sparse_q:2:0.125:rescore_layers=auto")[0].knobs()
+    auto = parse_policies("sparse_q:4:0.125:rescore_layers=auto")[0].knobs()
     assert auto.rescore_layers is None and auto.resolved(30) == NAMED_POLICIES["sparsex-every-hit"].knobs().resolved(30)
     # the GPU benchmark's --variants name every field, the positional ones too
     from sparsex.bench.policies import parse_knob
@@ -466,7 +472,7 @@ def test_rag_defaults_build_the_headline_workload(engines, tmp_path) -> None:
     summary = next(ln for ln in (REPO / "docs" / "benchmarks.md").read_text().splitlines() if ln.startswith("| rag TTFT"))
     queries, k = map(int, re.search(r"(\d+) requests of (\d+) passages", summary).groups())
     cfg = wb.config_from_args(_parse(*argv))
-    assert cfg == WorkloadBenchConfig(policies="none,sparsex", dtype="float32", out=str(tmp_path))
+    assert cfg == WorkloadBenchConfig(policies="none,sparsex,sparsex-fast", dtype="float32", out=str(tmp_path))
     assert "corpus ingested first" in summary and cfg.prewarm
     w = tokenized_workload(engines, lambda tok: build_workload(cfg, tok), prewarm=cfg.prewarm,
                            make_preamble=lambda tok, used: ingestion_preamble(cfg, tok, used),

@@ -21,21 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from sparsex.engine.llm_engine import LLMEngine
+from sparsex.engine.quality_monitor import PositionMetrics, compare_positions  # noqa: F401  (one definition, shared with the live monitor)
 from sparsex.inputs import TokenizedPrompt, tokenize_pieces
 from sparsex.outputs import RequestOutput
 from sparsex.sampling_params import SamplingParams
 
 _ids = itertools.count()
-
-
-@dataclass
-class PositionMetrics:
-    top1: float
-    kl: float
-    match_len: int
-    miss_margins: tuple[float, ...]
-    position_kl: tuple[float, ...] = ()       # KL at each position of the continuation
-    miss_positions: tuple[int, ...] = ()      # positions of the top-1 disagreements
 
 
 @dataclass
@@ -51,27 +42,6 @@ class FidelityResult:
     miss_margins: tuple[float, ...] = ()
     position_kl: tuple[float, ...] = ()
     miss_positions: tuple[int, ...] = ()
-
-
-def compare_positions(ref_lps: list[torch.Tensor], pol_lps: list[torch.Tensor], cont: list[int]) -> PositionMetrics:
-    """The metrics above from the reference's and the policy's next-token log-distributions ([vocab]
-    each, one per position of the continuation `cont`, the reference's greedy tokens)."""
-    if not (len(ref_lps) == len(pol_lps) == len(cont)) or not cont:
-        raise ValueError(f"need one reference and one policy distribution per continuation token, got "
-                         f"{len(ref_lps)} / {len(pol_lps)} / {len(cont)}")
-    hits, kls, margins, misses, match, diverged = 0, [], [], [], 0, False
-    for t, (ref, pol, tok) in enumerate(zip(ref_lps, pol_lps, cont)):
-        ok = int(pol.argmax()) == tok
-        hits += ok
-        kls.append(float((ref.exp() * (ref - pol)).sum()))
-        if not ok:
-            diverged = True
-            misses.append(t)
-            top2 = torch.topk(ref.exp(), 2).values
-            margins.append(float(top2[0] - top2[1]))
-        if not diverged:
-            match += 1
-    return PositionMetrics(hits / len(cont), sum(kls) / len(kls), match, tuple(margins), tuple(kls), tuple(misses))
 
 
 def pieces_prompt(engine: LLMEngine, pieces: list[str | list[int]], reusable: list[bool]) -> TokenizedPrompt:

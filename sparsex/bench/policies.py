@@ -12,10 +12,11 @@ overrides (`LLMEngine.add_request(..., reuse=...)`). Named policies:
               K/V deviation of every row at layer 1, the top 15% recomputed from there on
               (kv_deviation, F=2, 0.15). Not F=1: layer 0's K/V depend only on token and position,
               so a deviation measured there is the re-rotation's rounding, not context
-  sparsex     the engine's defaults (`ReuseConfig()`: sparse_q, F=2, two stages: 50% candidates
+  sparsex     the engine's defaults (`ReuseConfig()`: sparse_q, F=4, two stages: 50% candidates
               re-scored 2 layers deeper, 12.5% kept; a request whose segment hits total fewer than
               `min_blend_tokens` = 256 tokens is not blended but served exact)
   sparsex-every-hit  the same, blending every hit however few tokens (min_blend_tokens=0)
+  sparsex-fast / sparsex-quality  the engine's other reuse profiles (`reuse_profile`), otherwise its defaults
 
 The baselines (naive, epic, cacheblend), custom specs and the sweep grid name selection rules:
 they blend every hit, as the papers' rules do (min_blend_tokens=0), and select in one stage
@@ -34,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from sparsex.config import SELECTORS, ReuseConfig
+from sparsex.config import REUSE_PROFILES, SELECTORS, ReuseConfig
 
 SWEEP_RATIOS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 SWEEP_FULL_LAYERS = (0, 1, 2, 4)
@@ -59,7 +60,7 @@ class Policy:
         """The effective segment-reuse knobs (engine defaults + overrides), for reports."""
         if self.cache != "sparsex":
             return None
-        return dataclasses.replace(ReuseConfig(), **dict(self.reuse))
+        return ReuseConfig().with_overrides(dict(self.reuse))
 
     def full_layers(self, num_layers: int) -> int:
         """Layers in which every uncached row is computed (all of them without segment reuse)."""
@@ -96,6 +97,9 @@ def _named() -> dict[str, Policy]:
         # the engine's defaults with one change, not a selection rule: no _sparsex (which would make it one stage)
         Policy("sparsex-every-hit", "sparsex", (("min_blend_tokens", 0),),
                "engine defaults, but blends whatever it hits (min_blend_tokens=0)"),
+        *(Policy(f"sparsex-{name}", "sparsex", (("reuse_profile", name),),
+                 f"reuse_profile={name}: F={knobs['full_layers']}, r={knobs['recompute_ratio']}, the other knobs the engine's")
+          for name, knobs in REUSE_PROFILES.items() if name != "default"),
     )}
 
 

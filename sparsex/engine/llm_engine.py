@@ -10,13 +10,14 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
 from sparsex.cache.block_pool import BlockPool
 from sparsex.cache.kv_cache_manager import KVCacheManager, cdiv
 from sparsex.config import EngineConfig, ReuseConfig
+from sparsex.engine.quality_monitor import QualityMonitor, QualityResult
 from sparsex.engine.detokenizer import IncrementalDetokenizer
 from sparsex.engine.model_runner import ModelRunner, RequestStepResult
 from sparsex.engine.scheduler import Scheduler, SchedulerOutput
@@ -59,6 +60,9 @@ class EngineStats:
     span_search_seconds: float = 0.0     # host seconds finding spans by content (on the TTFT path)
     num_span_anchors: int = 0
     store: StoreStats | None = None      # the tiers below the device (kvstore), when configured
+    quality_sampled: int = 0             # quality monitor: blended requests chosen for scoring
+    quality_compared: int = 0            # ... scored against full prefill
+    quality_dropped: int = 0             # ... never scored (queue overflow, or a request arrived)
 
 
 class LLMEngine:
@@ -76,6 +80,7 @@ class LLMEngine:
         self.model_config = loaded.config
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = tuple(loaded.config.eos_token_ids) or ((eos,) if eos is not None else ())
+        config.reuse = config.reuse.for_model(loaded.config.num_hidden_layers)
         config.reuse.verify(loaded.config.num_hidden_layers)
         self.max_model_len = config.max_model_len or loaded.config.max_position_embeddings
         if self.max_model_len < 2:
@@ -91,6 +96,9 @@ class LLMEngine:
                                       url=config.segment_store, fetch=config.segment_store_fetch,
                                       merge_cap=config.reuse.merge_encodings)
         del loaded
+        self.quality_monitor = None      # engine/quality_monitor.py: scores served answers in idle capacity
+        if config.quality_sample and config.enable_segment_reuse:
+            self.quality_monitor = QualityMonitor(config.quality_sample, seed=config.seed)
         self._init_cache_state()
         self.warmup_seconds = 0.0
         if config.warmup_enabled:
@@ -165,11 +173,7 @@ class LLMEngine:
         num_layers = self.model_config.num_hidden_layers
         if not overrides:
             return self.config.reuse.resolved(num_layers)
-        fields = {f.name for f in dataclasses.fields(ReuseConfig)}
-        unknown = set(overrides) - fields
-        if unknown:
-            raise ValueError(f"unknown segment-reuse option(s) {sorted(unknown)}; known: {sorted(fields)}")
-        reuse = dataclasses.replace(self.config.reuse, **overrides)
+        reuse = self.config.reuse.with_overrides(overrides).for_model(num_layers)
         reuse.verify(num_layers)
         # resolved per request, after the overrides: the engine's rescore_layers=None follows an
         # overridden selector or recompute_ratio (e.g. selector="boundary" runs one stage)
@@ -178,7 +182,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: Any | TokenizedPrompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, reuse: dict | None = None) -> None:
         """Validate and queue. `reuse` overrides segment-reuse knobs for this request
-        (any `ReuseConfig` field: full_layers, recompute_ratio, selector, boundary_tokens, ...)."""
+        (any `ReuseConfig` field: reuse_profile, full_layers, recompute_ratio, selector, ...; a profile
+        sets its knobs first, the request's explicit knobs win over it)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -365,6 +370,8 @@ class LLMEngine:
             reused_spans=list(record.reused_spans), reuse_skipped=record.skipped)
         if out.finished and first.distributions is not None:
             out.distributions = dict(first.distributions)
+        if out.finished and self.quality_monitor is not None:
+            self.quality_monitor.offer(first)
         if out.finished:
             for r in group:
                 self.requests.pop(r.request_id, None)
@@ -408,7 +415,17 @@ class LLMEngine:
             st.num_span_anchors = self.span_index.num_anchors()
         if self.store is not None:
             st.store = self.store.stats()
+        if self.quality_monitor is not None:
+            m = self.quality_monitor
+            st.quality_sampled, st.quality_compared, st.quality_dropped = m.num_sampled, m.num_compared, m.num_dropped
         return st
+
+    def run_quality_checks(self, should_yield: Callable[[], bool] = lambda: False) -> list[QualityResult]:
+        """Score the quality monitor's pending samples while no request is here and `should_yield()`
+        is false (engine/quality_monitor.py); [] without a monitor."""
+        if self.quality_monitor is None:
+            return []
+        return self.quality_monitor.run_pending(self, should_yield)
 
     def check_integrity(self) -> None:
         """Raise unless every block's refcount equals its holders (requests + segment entries)."""

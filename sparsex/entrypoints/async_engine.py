@@ -153,7 +153,8 @@ class AsyncLLM:
             raise ValueError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
         self._engine = engine
         self.max_queued_requests = max_queued_requests
-        self.metrics = metrics if metrics is not None else ServerMetrics(engine.model_name)
+        reuse = engine.config.reuse if engine.config.enable_segment_reuse else None
+        self.metrics = metrics if metrics is not None else ServerMetrics(engine.model_name, reuse=reuse)
         # immutable engine facts, safe to read from any thread
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
@@ -264,6 +265,12 @@ class AsyncLLM:
         try:
             while True:
                 busy = engine.has_unfinished_requests()
+                if not busy and not self._closing and self._inbox.empty() and engine.quality_monitor is not None \
+                        and engine.quality_monitor.pending:
+                    # idle: score served answers, giving way as soon as a command arrives (quality_monitor.py)
+                    self.metrics.on_quality(engine.run_quality_checks(should_yield=lambda: not self._inbox.empty()))
+                    self.metrics.on_stats(engine.stats())
+                    continue
                 self._apply(self._take(block=not busy))
                 if self._closing:
                     if not self._drain:

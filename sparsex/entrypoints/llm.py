@@ -27,7 +27,10 @@ class LLM:
       device: "cpu" | "cuda" | "cuda:N";   seed;   enforce_eager (CUDA: decode without graph replay)
       memory and length: num_blocks or kv_cache_memory (bytes), max_model_len, max_num_seqs,
           max_num_batched_tokens
-      segment reuse: recompute_ratio, full_layers, selector
+      segment reuse: reuse_profile ("fast" | "default" | "quality"), or recompute_ratio, full_layers,
+          selector (explicit knobs win over the profile)
+      quality_sample: share of blended requests whose answers are scored against full prefill after each
+          `generate` call (llm_engine.quality_monitor.results)
 
     An unknown keyword raises TypeError naming it and listing the valid ones. Per call,
     `generate(..., reuse={...})` overrides segment-reuse knobs for those prompts; `ingest` computes
@@ -124,4 +127,5 @@ class LLM:
             raise
         finally:
             bar.close()
+        engine.run_quality_checks()          # quality_sample: the batch is done, the engine is idle
         return [results[i] for i in ids]

@@ -101,6 +101,11 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"sparsex serve: {e}", file=sys.stderr)
         return 2
     engine = AsyncLLM.from_config(config, max_queued_requests=args.max_queued_requests)
+    if config.enable_segment_reuse:
+        r = config.reuse          # fitted to the model by the engine (ReuseConfig.for_model)
+        logging.getLogger("sparsex.serve").info(
+            "segment reuse: reuse_profile=%s full_layers=%d recompute_ratio=%s selector=%s",
+            r.reuse_profile, r.full_layers, r.recompute_ratio, r.selector)
     app = build_app(engine, settings)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=args.shutdown_timeout))
