@@ -52,7 +52,7 @@ def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 _NOT_IN_KV_KEY = ("reuse_profile", "approx_prefix", "merge_encodings", "blend", "transparent_segments")
 
 # Named sets of the knobs that trade prefill work for closeness to full prefill, measured on SmolLM2-135M
-# rag (docs/benchmarks/reuse-quality.md, "Profiles"). `default` is ReuseConfig's declared defaults.
+# rag (docs/benchmarks/reuse-quality.md, "Reuse profiles"). `default` is ReuseConfig's declared defaults.
 REUSE_PROFILES: dict[str, dict[str, Any]] = {
     "fast": {"full_layers": 2, "recompute_ratio": 0.125},
     "default": {"full_layers": 4, "recompute_ratio": 0.125},
@@ -183,7 +183,7 @@ class ReuseConfig:
                                          "default, quality (closest to full prefill); an explicit full_layers or "
                                          "recompute_ratio wins over it", choices=tuple(REUSE_PROFILES))
     # 4 full layers: at 1.3x the compute of 2, half the answer-F1 cost and a lower KL on rag
-    # (docs/benchmarks/reuse-quality.md, "Where the answer cost comes from")
+    # (docs/benchmarks/reuse-quality.md, "RAG answers: where the cost comes from")
     full_layers: int = knob(4, "layers 0..full_layers-1 recompute every token of a reused segment", ge=0)
     # 0.125 with sparse_q's two stages costs what one stage at 0.15 costs, at lower KL
     # (docs/benchmarks/defaults.md, two-stage selection)
