@@ -162,3 +162,19 @@ def test_the_server_loop_scores_in_idle_time_and_exports_histograms(smollm2, pas
         assert llm.call_sync(lambda e: (len(e.quality_monitor.pending), e.stats().quality_dropped)) == (0, 0)
     finally:
         asyncio.run(llm.shutdown())
+
+
+@pytest.mark.unit
+def test_the_reuse_config_info_names_the_profile_in_force():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from sparsex.config import ReuseConfig
+    from sparsex.metrics import ServerMetrics
+    reuse = ReuseConfig().with_overrides({"reuse_profile": "quality", "selector": "kv_deviation"})
+    text = ServerMetrics("m", reuse=reuse).render().decode()
+    [info] = [s for fam in text_string_to_metric_families(text) for s in fam.samples
+              if s.name == "sparsex:reuse_config_info"]
+    assert info.labels == {"model_name": "m", "reuse_profile": "quality", "full_layers": "2",
+                           "recompute_ratio": "0.5", "selector": "kv_deviation"}
+    no_reuse = ServerMetrics("m").render().decode()            # cache="prefix"/"none": no reuse, no info
+    assert "reuse_config_info" not in no_reuse
