@@ -142,7 +142,7 @@ def test_position_metrics_on_hand_made_distributions() -> None:
     """Three positions over a 3-token vocabulary: the policy agrees at the first, flips a near-tie at
     the second (full prefill 0.46 / 0.44: margin 0.02) and a decisive one at the third (0.9 / 0.05)."""
     import math
-    from sparsex.bench.fidelity import compare_positions
+    from sparsex.engine.teacher_forcing import compare_positions
     ref = [_lp([0.7, 0.2, 0.1]), _lp([0.46, 0.44, 0.10]), _lp([0.05, 0.9, 0.05])]
     pol = [_lp([0.6, 0.3, 0.1]), _lp([0.44, 0.46, 0.10]), _lp([0.5, 0.4, 0.1])]
     m = compare_positions(ref, pol, [0, 0, 1])

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsex.engine.llm_engine import LLMEngine
-from sparsex.engine.quality_monitor import PositionMetrics, compare_positions  # noqa: F401  (one definition, shared with the live monitor)
+from sparsex.engine.teacher_forcing import compare_positions, continuation_distributions, run_alone
 from sparsex.inputs import TokenizedPrompt, tokenize_pieces
 from sparsex.outputs import RequestOutput
 from sparsex.sampling_params import SamplingParams
@@ -52,15 +52,9 @@ def run_to_completion(engine: LLMEngine, prompt, params: SamplingParams, reuse: 
                       distributions_from: int | None = None) -> tuple[RequestOutput, dict[int, torch.Tensor]]:
     """Run one request alone to completion; with `distributions_from`, also its full next-token
     log-distributions from that position on (`SamplingParams.distributions_from`)."""
-    rid = f"fid-{next(_ids)}"
     if distributions_from is not None:
         params = dataclasses.replace(params, distributions_from=distributions_from)
-    engine.add_request(rid, prompt, params, reuse=reuse)
-    out = None
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.request_id == rid and o.finished:
-                out = o
+    out = run_alone(engine, f"fid-{next(_ids)}", prompt, params, reuse)
     return out, out.distributions or {}
 
 
@@ -68,10 +62,8 @@ def reference(ref_engine: LLMEngine, prompt: TokenizedPrompt, num_tokens: int) -
     """Full-prefill greedy continuation and its next-token log-distributions."""
     out, _ = run_to_completion(ref_engine, prompt, SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True))
     cont = out.outputs[0].token_ids
-    full = TokenizedPrompt(prompt.token_ids + cont, None, [])
-    n = len(prompt.token_ids)
-    _, cap = run_to_completion(ref_engine, full, SamplingParams(temperature=0, max_tokens=1), distributions_from=n - 1)
-    return cont, [cap[p] for p in range(n - 1, n + len(cont) - 1)]
+    _, lps = _continuation(ref_engine, TokenizedPrompt(prompt.token_ids, None, []), cont)
+    return cont, lps
 
 
 def teacher_forced(engine: LLMEngine, prompt: TokenizedPrompt, cont: list[int], ref_lps: list[torch.Tensor],
@@ -81,12 +73,16 @@ def teacher_forced(engine: LLMEngine, prompt: TokenizedPrompt, cont: list[int], 
     `approx_prefix` off (the default) blends every reused segment afresh: teacher forcing the same
     prompt under several policies in one engine must not continue the previous run's blended blocks.
     A replay that runs each prompt once, in order (the workload bench), turns it on, as served."""
-    reuse = {**(reuse or {}), "approx_prefix": approx_prefix}
-    n = len(prompt.token_ids)
-    full = TokenizedPrompt(prompt.token_ids + cont, None, list(prompt.segments), prompt.cache_salt, query_horizon=n)
-    out, cap = run_to_completion(engine, full, SamplingParams(temperature=0, max_tokens=1), reuse=reuse,
-                                 distributions_from=n - 1)
-    m = compare_positions(ref_lps, [cap[n - 1 + t] for t in range(len(ref_lps))], cont)
-    return FidelityResult(m.top1, m.kl, m.match_len, out.metrics.ttft or 0.0, len(full.token_ids),
+    out, lps = _continuation(engine, prompt, cont, {**(reuse or {}), "approx_prefix": approx_prefix})
+    m = compare_positions(ref_lps, lps, cont)
+    return FidelityResult(m.top1, m.kl, m.match_len, out.metrics.ttft or 0.0, len(prompt.token_ids) + len(cont),
                           out.num_cached_tokens, out.num_reused_tokens, out.num_recomputed_tokens, m.miss_margins,
                           m.position_kl, m.miss_positions)
+
+
+def _continuation(engine: LLMEngine, prompt: TokenizedPrompt, cont: list[int], reuse: dict | None = None):
+    got = continuation_distributions(engine, f"fid-{next(_ids)}", prompt, cont, reuse)
+    if got is None:
+        raise RuntimeError(f"the engine aborted a teacher-forced run of {len(prompt.token_ids) + len(cont)} tokens "
+                           f"(a KV pool too small for it?)")
+    return got

@@ -96,9 +96,8 @@ class LLMEngine:
                                       url=config.segment_store, fetch=config.segment_store_fetch,
                                       merge_cap=config.reuse.merge_encodings)
         del loaded
-        self.quality_monitor = None      # engine/quality_monitor.py: scores served answers in idle capacity
-        if config.quality_sample and config.enable_segment_reuse:
-            self.quality_monitor = QualityMonitor(config.quality_sample, seed=config.seed)
+        # engine/quality_monitor.py: scores served answers in idle capacity (EngineConfig: cache="sparsex" only)
+        self.quality_monitor = QualityMonitor(config.quality_sample, seed=config.seed) if config.quality_sample else None
         self._init_cache_state()
         self.warmup_seconds = 0.0
         if config.warmup_enabled:

@@ -1,8 +1,8 @@
 """The live quality monitor (`quality_sample`): what segment reuse did to the answers actually served.
 
 For a sampled share of blended requests, once the response is out, the engine scores the served answer
-by teacher forcing, as the offline fidelity bench does (sparsex/bench/fidelity.py), in capacity no
-request wants:
+by teacher forcing, with the offline fidelity bench's own functions (engine/teacher_forcing.py), in
+capacity no request wants:
   reference  full prefill of prompt + answer (no segment reuse; exact prefix caching only, which is
              exact), its next-token log-distribution at every answer position;
   blended    prompt + answer under the request's own reuse knobs, the answer being a continuation
@@ -22,62 +22,18 @@ import itertools
 import random
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable
 
-import torch
-
+from sparsex.engine.teacher_forcing import Engine, compare_positions, continuation_distributions
 from sparsex.inputs import TokenizedPrompt
-from sparsex.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from sparsex.outputs import RequestOutput
     from sparsex.request import Request
 
-
-class LLMEngine(Protocol):
-    """What the monitor drives (engine/llm_engine.LLMEngine, which owns the monitor: no import back)."""
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, reuse: dict | None = None) -> None: ...
-    def step(self) -> list[RequestOutput]: ...
-    def abort_request(self, request_ids: str | Iterable[str]) -> None: ...
-    def has_unfinished_requests(self) -> bool: ...
 
 MAX_PENDING = 8           # comparisons waiting for idle capacity; more and the oldest is dropped
 MONITOR_TOKENS = 32       # answer tokens scored (the fidelity bench's default --fidelity-tokens)
 REQUEST_PREFIX = "quality-monitor-"
-
-
-@dataclass
-class PositionMetrics:
-    top1: float
-    kl: float
-    match_len: int
-    miss_margins: tuple[float, ...]
-    position_kl: tuple[float, ...] = ()       # KL at each position of the continuation
-    miss_positions: tuple[int, ...] = ()      # positions of the top-1 disagreements
-
-
-def compare_positions(ref_lps: list[torch.Tensor], pol_lps: list[torch.Tensor], cont: list[int]) -> PositionMetrics:
-    """Teacher-forced fidelity from the reference's and the policy's next-token log-distributions
-    ([vocab] each, one per position of the continuation `cont`): top-1 = share of positions where the
-    policy's argmax is `cont`'s token (the reference's greedy token in the fidelity bench), KL(ref || policy)
-    in nats, the positions before the first miss, and at each miss the reference's top-two margin."""
-    if not (len(ref_lps) == len(pol_lps) == len(cont)) or not cont:
-        raise ValueError(f"need one reference and one policy distribution per continuation token, got "
-                         f"{len(ref_lps)} / {len(pol_lps)} / {len(cont)}")
-    hits, kls, margins, misses, match, diverged = 0, [], [], [], 0, False
-    for t, (ref, pol, tok) in enumerate(zip(ref_lps, pol_lps, cont)):
-        ok = int(pol.argmax()) == tok
-        hits += ok
-        kls.append(float((ref.exp() * (ref - pol)).sum()))
-        if not ok:
-            diverged = True
-            misses.append(t)
-            top2 = torch.topk(ref.exp(), 2).values
-            margins.append(float(top2[0] - top2[1]))
-        if not diverged:
-            match += 1
-    return PositionMetrics(hits / len(cont), sum(kls) / len(kls), match, tuple(margins), tuple(kls), tuple(misses))
 
 
 @dataclass(frozen=True)
@@ -136,7 +92,7 @@ class QualityMonitor:
         self.pending.append(QualitySample(req.request_id, prompt, tuple(req.output_token_ids[: self.num_tokens]),
                                           dataclasses.asdict(req.reuse)))
 
-    def run_pending(self, engine: LLMEngine, should_yield: Callable[[], bool] = lambda: False) -> list[QualityResult]:
+    def run_pending(self, engine: Engine, should_yield: Callable[[], bool] = lambda: False) -> list[QualityResult]:
         """Score pending samples while the engine is idle and `should_yield()` is false."""
         results = []
         while self.pending and not engine.has_unfinished_requests() and not should_yield():
@@ -152,46 +108,27 @@ class QualityMonitor:
             self.results.append(result)
         return results
 
-    def _score(self, engine: LLMEngine, s: QualitySample, should_yield: Callable[[], bool]) -> QualityResult | None:
-        n, answer = len(s.prompt.token_ids), list(s.answer)
-        ids = s.prompt.token_ids + answer
-        # the blend, as served: a fresh blend (not the approximate chain the served request may have
-        # left). First: the reference leaves the whole prompt on the exact prefix chain, where a later
-        # blend would find it as an exact hit
-        blended = TokenizedPrompt(ids, None, list(s.prompt.segments), s.prompt.cache_salt, query_horizon=n)
-        pol = self._distributions(engine, blended, n, {**s.reuse, "approx_prefix": False}, should_yield)
+    def _score(self, engine: Engine, s: QualitySample, should_yield: Callable[[], bool]) -> QualityResult | None:
+        """The blend first: the reference leaves the whole prompt on the exact prefix chain, where a
+        later blend of it would be an exact hit. None: it could not be scored (dropped)."""
+        # the blend as served, but fresh (not the approximate chain the served request may have left)
+        pol = self._run(engine, s.prompt, s.answer, {**s.reuse, "approx_prefix": False}, should_yield)
         if pol is None:
             return None
         # reference: no segments, no spans found by content, no approximate chain: what is not an exact
         # prefix hit is computed
-        exact = TokenizedPrompt(ids, None, [], s.prompt.cache_salt)
-        ref = self._distributions(engine, exact, n, {"transparent_segments": False, "approx_prefix": False},
-                                  should_yield)
+        exact = TokenizedPrompt(s.prompt.token_ids, None, [], s.prompt.cache_salt)
+        ref = self._run(engine, exact, s.answer, {"transparent_segments": False, "approx_prefix": False}, should_yield)
         if ref is None:
             return None
         m = compare_positions(ref, pol, [int(r.argmax()) for r in ref])
-        return QualityResult(s.request_id, m.kl, m.top1, len(answer))
+        return QualityResult(s.request_id, m.kl, m.top1, len(s.answer))
 
-    def _distributions(self, engine: LLMEngine, prompt: TokenizedPrompt, n: int, reuse: dict,
-                       should_yield: Callable[[], bool]) -> list[torch.Tensor] | None:
-        """Log-distributions at positions n-1 .. len-2 (one per answer token), or None if the run could
-        not be made (the prompt does not fit) or was aborted for a waiting request."""
-        rid = f"{REQUEST_PREFIX}{next(self._ids)}"
-        params = SamplingParams(temperature=0.0, max_tokens=1, distributions_from=n - 1)
+    def _run(self, engine: Engine, prompt: TokenizedPrompt, answer: tuple[int, ...], reuse: dict,
+             should_yield: Callable[[], bool]) -> list | None:
         try:
-            engine.add_request(rid, prompt, params, reuse=reuse)
-        except ValueError:
+            got = continuation_distributions(engine, f"{REQUEST_PREFIX}{next(self._ids)}", prompt, list(answer),
+                                             reuse, should_yield)
+        except ValueError:              # prompt + answer does not fit the model
             return None
-        out = None
-        while out is None:
-            if not engine.has_unfinished_requests():
-                return None
-            if should_yield():
-                engine.abort_request(rid)
-                return None
-            for o in engine.step():
-                if o.request_id == rid and o.finished:
-                    out = o
-        if out.outputs[0].finish_reason == "abort" or not out.distributions:
-            return None
-        return [out.distributions[p] for p in range(n - 1, len(prompt.token_ids) - 1)]
+        return None if got is None else got[1]
