@@ -29,16 +29,10 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def profile_knob(cls: type, name: str) -> bool:
-    """A knob `reuse_profile` sets: its flag has no default of its own, so an unset flag leaves the
-    profile's value in force (argparse leaves the attribute out)."""
-    return cls is ReuseConfig and name in PROFILE_KNOBS
-
-
 def knob_help(f: dataclasses.Field, cls: type | None = None) -> str:
     """A knob's --help line: its help text and its default."""
     shown = "unset" if f.default is None else f.default
-    if cls is not None and profile_knob(cls, f.name):
+    if cls is ReuseConfig and f.name in PROFILE_KNOBS:
         shown = "the profile's: " + ", ".join(f"{p} {v[f.name]}" for p, v in REUSE_PROFILES.items())
     return f"{knob_meta(f)['help']} (default: {shown})".lstrip()
 
@@ -47,14 +41,16 @@ def add_knob_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type
                  help: str | None = None) -> None:
     """The flag of one EngineConfig / ReuseConfig field (`--full-layers` for full_layers), with its
     type, choices, bounds, default and help from the field (`help` replaces the help text). Bool
-    knobs take --X / --no-X."""
+    knobs take --X / --no-X. A segment-reuse flag has no default of its own: one not given is left
+    out of the parsed arguments, so the config keeps its value (the reuse profile's, or the
+    declared default), as `LLM(...)` does for a keyword not passed."""
     f = knob_field(cls, name)
     meta = knob_meta(f)
     text = knob_help(f, cls) if help is None else help
+    default = argparse.SUPPRESS if cls is ReuseConfig else f.default
     if knob_type(cls, f) is bool:
-        p.add_argument(flag_name(name), dest=name, action=argparse.BooleanOptionalAction, default=f.default,
+        p.add_argument(flag_name(name), dest=name, action=argparse.BooleanOptionalAction, default=default,
                        help=text)
         return
-    default = argparse.SUPPRESS if profile_knob(cls, name) else f.default
     p.add_argument(flag_name(name), dest=name, default=default, choices=meta["choices"],
                    type=_checked(cls, f, meta["parse"] or knob_type(cls, f)), help=text)
