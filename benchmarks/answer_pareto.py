@@ -1,19 +1,19 @@
 """Answer score against compute: every reuse rule of one or more rag workload runs, paired against full prefill.
 
-Each `requests.json` (from `sparsex bench workload --workload rag`) holds a `none` policy and the rules it
-was run with; a rule's point is its paired answer-F1 difference against that run's full prefill (bootstrap
-interval) at its compute (token-layers against full prefill's). `--floor RUN` names a run whose `none` was
-made another way (bf16 full prefill of the same prompts, `--policies none`): its paired difference against
-the first run's full prefill is drawn as a band, the cost of rounding alone. Prints a table; `--plot` writes
-the figure.
+Each RUN is the `--out` directory of a `sparsex bench workload --workload rag` run with a `none` policy; a
+rule's point is what the bench wrote to its `summary.json`: the paired answer-F1 difference against that
+run's full prefill (bootstrap interval), the share of answers equal to full prefill's and the compute.
+`--floor RUN` names a run whose `none` was made another way (bf16 full prefill of the same prompts,
+`--policies none`): its per-request F1 (`requests.json`) paired against the first run's full prefill is
+drawn as a band, the cost of rounding alone. Prints a table; `--plot` writes the figure.
 
-    .venv/bin/python benchmarks/answer_pareto.py RUN1/requests.json RUN2/requests.json \
-        --floor BF16/requests.json --plot docs/img/rag_answer_pareto.png
+    .venv/bin/python benchmarks/answer_pareto.py RUN1 RUN2 --floor BF16 --plot docs/img/rag_answer_pareto.png
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import dataclass
 
 from sparsex.bench.stats import Interval, paired_difference
@@ -23,46 +23,42 @@ from sparsex.bench.stats import Interval, paired_difference
 class Point:
     policy: str
     run: str
-    compute: float            # token-layers against full prefill's
+    compute: float            # the bench's compute share
     f1: Interval              # paired F1 - full prefill's F1
     changed: int              # answers unlike full prefill's
     num_requests: int
 
 
-def _by_policy(path: str) -> dict[str, dict[int, dict]]:
-    with open(path) as f:
-        data = json.load(f)
-    out: dict[str, dict[int, dict]] = {}
-    for r in data["requests"]:
-        out.setdefault(r["policy"], {})[r["index"]] = r
-    if "none" not in out:
-        raise ValueError(f"{path}: no `none` policy to pair against (run with --policies none,...)")
-    return out
+def _load(run: str, name: str) -> dict:
+    with open(os.path.join(run, name)) as f:
+        return json.load(f)
 
 
-def points(path: str) -> list[Point]:
-    """One point per rule of the run in `path`, paired against its `none`."""
-    runs = _by_policy(path)
-    none = runs.pop("none")
-    out = []
-    for policy, recs in runs.items():
-        idx = sorted(recs)
-        if any(i not in none for i in idx):
-            raise ValueError(f"{path}: policy {policy!r} has requests full prefill lacks")
-        f1 = paired_difference([recs[i]["f1"] for i in idx], [none[i]["f1"] for i in idx])
-        compute = sum(recs[i]["token_layers"] for i in idx) / sum(none[i]["token_layers"] for i in idx)
-        changed = sum(recs[i]["answer"] != none[i]["answer"] for i in idx)
-        out.append(Point(policy, path, compute, f1, changed, len(idx)))
-    return out
+def points(run: str) -> list[Point]:
+    """One point per rule of `run`, from the paired F1 its summary holds against its `none`."""
+    summaries = _load(run, "summary.json")["summary"]
+    if not any(s["policy"] == "none" for s in summaries):
+        raise ValueError(f"{run}: no `none` policy to pair against (run with --policies none,...)")
+    return [Point(s["policy"], run, s["compute_share"],
+                  Interval(s["f1_minus_none"], s["f1_minus_none_low"], s["f1_minus_none_high"]),
+                  round((1.0 - s["answer_agreement"]) * s["num_requests"]), s["num_requests"])
+            for s in summaries if s["policy"] != "none" and s.get("f1_minus_none") is not None]
 
 
-def floor(path: str, reference: str) -> Interval:
-    """The `none` of run `path` paired against the `none` of run `reference` (same prompts)."""
-    a, b = _by_policy(path)["none"], _by_policy(reference)["none"]
-    idx = sorted(set(a) & set(b))
-    if len(idx) != len(b):
-        raise ValueError(f"{path} and {reference} do not hold the same requests")
-    return paired_difference([a[i]["f1"] for i in idx], [b[i]["f1"] for i in idx])
+def _none_f1(run: str) -> dict[int, float]:
+    f1 = {r["index"]: r["f1"] for r in _load(run, "requests.json")["requests"] if r["policy"] == "none"}
+    if not f1:
+        raise ValueError(f"{run}: no `none` policy to pair against (run with --policies none,...)")
+    return f1
+
+
+def floor(run: str, reference: str) -> Interval:
+    """The `none` of `run` paired against the `none` of `reference` (same prompts)."""
+    a, b = _none_f1(run), _none_f1(reference)
+    if set(a) != set(b):
+        raise ValueError(f"{run} and {reference} do not hold the same requests")
+    idx = sorted(b)
+    return paired_difference([a[i] for i in idx], [b[i] for i in idx])
 
 
 def table(pts: list[Point], band: Interval | None) -> str:
@@ -98,8 +94,8 @@ def plot(pts: list[Point], band: Interval | None, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("runs", nargs="+", help="requests.json of rag workload runs, each with a `none` policy")
-    ap.add_argument("--floor", help="requests.json of a `none`-only run made another way (bf16), paired "
+    ap.add_argument("runs", nargs="+", help="--out directories of rag workload runs, each with a `none` policy")
+    ap.add_argument("--floor", help="--out directory of a `none`-only run made another way (bf16), paired "
                                     "against the first run's full prefill")
     ap.add_argument("--plot", help="PNG to write")
     args = ap.parse_args(argv)

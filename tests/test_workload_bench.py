@@ -183,6 +183,14 @@ def test_rag_end_to_end(tmp_path, engines) -> None:
         assert panel.points == {name: pytest.approx((row[panel.x] * panel.x_scale, row[panel.y]))
                                 for name, row in table.items()}
         assert set(panel.front) <= set(panel.points.values())
+    # benchmarks/answer_pareto.py reads the run as the bench wrote it: a point per rule, full prefill as the floor of itself
+    from benchmarks.answer_pareto import floor, points
+    pts = {p.policy: p for p in points(str(tmp_path / "rag"))}
+    assert set(pts) == {s.policy for s in summaries} - {"none"}
+    for p in pts.values():
+        assert (p.compute, p.f1.mean, p.num_requests) == (by[p.policy].compute_share, by[p.policy].f1_minus_none, 2)
+        assert p.changed == round((1 - by[p.policy].answer_agreement) * 2)
+    assert floor(str(tmp_path / "rag"), str(tmp_path / "rag")).mean == 0.0
     policies = parse_policies(POLICIES)
     cdf = plot_ttft_cdf([RequestRecord(**r) for r in records], policies, str(tmp_path / "again" / "cdf.png"), cfg,
                         summary["environment"])
