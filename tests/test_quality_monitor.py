@@ -14,7 +14,7 @@ from sparsex.config import EngineConfig
 from sparsex.engine.quality_monitor import QualityMonitor
 from sparsex.entrypoints.async_engine import AsyncLLM
 
-KNOBS = dict(cache="sparsex", dtype="float32", seed=0, min_blend_tokens=0, transparent_segments=False,
+KNOBS = dict(cache="sparsex", dtype="float32", seed=0, num_blocks=512, min_blend_tokens=0, transparent_segments=False,
              min_context_tokens=0)
 HEAD = "System: answer from the passages.\n\n"
 QUESTION = "\nQuestion: what is the first passage about? Answer:"

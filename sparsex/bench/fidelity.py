@@ -59,11 +59,13 @@ def run_to_completion(engine: LLMEngine, prompt, params: SamplingParams, reuse: 
 
 
 def reference(ref_engine: LLMEngine, prompt: TokenizedPrompt, num_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Full-prefill greedy continuation and its next-token log-distributions."""
-    out, _ = run_to_completion(ref_engine, prompt, SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True))
+    """Full-prefill greedy continuation and its next-token log-distributions, captured as it is decoded
+    (one run, as the workload bench's `replay.compute_reference` does)."""
+    n = len(prompt.token_ids)
+    out, cap = run_to_completion(ref_engine, prompt, SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True),
+                                 distributions_from=n - 1)
     cont = out.outputs[0].token_ids
-    _, lps = _continuation(ref_engine, TokenizedPrompt(prompt.token_ids, None, []), cont)
-    return cont, lps
+    return cont, [cap[n - 1 + t] for t in range(len(cont))]
 
 
 def teacher_forced(engine: LLMEngine, prompt: TokenizedPrompt, cont: list[int], ref_lps: list[torch.Tensor],
