@@ -65,8 +65,7 @@ class Reference:
 def compute_reference(engine: LLMEngine, prompt: TokenizedPrompt, fidelity_tokens: int | None,
                       answer_tokens: int | None, past_eos: bool = False) -> Reference:
     """One greedy decode under full prefill gives TTFT, the answer and (when asked) the teacher-forcing
-    reference: the distributions are captured at each decode step, the same rows
-    `fidelity.reference` computes in a second prefill."""
+    reference: the distributions are captured at each decode step, as `fidelity.reference` does."""
     from sparsex.bench.fidelity import run_to_completion
     from sparsex.sampling_params import SamplingParams
     n = len(prompt.token_ids)
