@@ -18,6 +18,10 @@ CACHE_MODES = ("none", "prefix", "sparsex")
 SELECTORS = ("sparse_q", "kv_deviation", "boundary", "random", "none", "all")
 PROBE_SELECTORS = ("kv_deviation", "sparse_q")     # score tokens with a probe on a full layer
 AUTO_RESCORE_LAYERS = 2     # sparse_q's second probe, this many layers below its first (ReuseConfig.resolved)
+# recompute_ratio="auto": the bounds of a request's share (the rule: segment/recompute_budget.py)
+AUTO_RATIO_MIN = 0.0625
+AUTO_RATIO_MAX = 0.25
+AUTO = "auto"
 DTYPES = ("auto", "float32", "bfloat16", "float16")    # EngineConfig.dtype's names; parse_dtype also reads fp32, ...
 SEGMENT_EVICTION = ("lru", "frequency")
 STORE_FETCH_MODES = ("auto", "always", "never")
@@ -100,8 +104,17 @@ def knob_type(cls: type, f: dataclasses.Field) -> type:
     return _annotations(cls)[f.name][0][0]
 
 
+def knob_others(cls: type, f: dataclasses.Field) -> tuple[type, ...]:
+    """The other members of a field's annotation besides its value type and `None` (e.g.
+    `Literal["auto"]` for recompute_ratio, torch.dtype for dtype)."""
+    return _annotations(cls)[f.name][0][1:]
+
+
 def _is_a(value: Any, kind: type) -> bool:
-    """isinstance, where a bool is no number and an int is a float (as in a dataclass annotation)."""
+    """isinstance, where a bool is no number and an int is a float (as in a dataclass annotation);
+    for a `Literal[...]`, one of its values."""
+    if typing.get_origin(kind) is typing.Literal:
+        return isinstance(value, str) and value in typing.get_args(kind)
     if kind is bool:
         return isinstance(value, bool)
     if kind in (int, float):
@@ -128,7 +141,8 @@ def knob_rule(cls: type, f: dataclasses.Field) -> str:
             rule += f" >= {meta['ge']}"
         elif meta["le"] is not None:
             rule += f" <= {meta['le']}"
-    rule += "".join(f" or a {m.__module__}.{m.__qualname__}" for m in others)
+    rule += "".join(f" or {' or '.join(map(repr, typing.get_args(m)))}" if typing.get_origin(m) is typing.Literal
+                    else f" or a {m.__module__}.{m.__qualname__}" for m in others)
     return rule + (" or None" if optional else "")
 
 
@@ -169,6 +183,11 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
+def parse_ratio(text: str) -> float | str:
+    """A recompute_ratio on the command line: a number, or "auto"."""
+    return AUTO if text.strip().lower() == AUTO else float(text)
+
+
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -187,8 +206,10 @@ class ReuseConfig:
     full_layers: int = knob(4, "layers 0..full_layers-1 recompute every token of a reused segment", ge=0)
     # 0.125 with sparse_q's two stages costs what one stage at 0.15 costs, at lower KL
     # (docs/benchmarks/defaults.md, two-stage selection)
-    recompute_ratio: float = knob(0.125, "share of reused tokens recomputed in the sparse layers "
-                                         "(past full_layers)", ge=0.0, le=1.0)
+    recompute_ratio: float | typing.Literal["auto"] = knob(
+        0.125, "share of reused tokens recomputed in the sparse layers (past full_layers); auto = each "
+               "request's own share, from how much of its prompt is reused (between "
+               "AUTO_RATIO_MIN and AUTO_RATIO_MAX: docs/configuration.md)", ge=0.0, le=1.0, parse=parse_ratio)
     selector: str = knob("sparse_q", "how the tokens to recompute are chosen", choices=SELECTORS)
     boundary_tokens: int = knob(0, "also recompute the first k tokens of each reused segment", advanced=True, ge=0)
     # 0.25 measured below 0.5 and 0 on SmolLM2 and Qwen2.5-Coder rag at equal compute
@@ -270,12 +291,19 @@ class ReuseConfig:
         if self.rescore_layers:
             if self.selector not in PROBE_SELECTORS:
                 raise ValueError(f"rescore_layers needs a probe selector {PROBE_SELECTORS}, not {self.selector!r}")
-            if self.candidate_ratio < self.recompute_ratio:
+            if self.candidate_ratio < self.max_recompute_ratio:
                 raise ValueError(f"candidate_ratio {self.candidate_ratio!r} is below recompute_ratio "
-                                 f"{self.recompute_ratio!r}: the second stage keeps a subset of the candidates")
+                                 f"{self.recompute_ratio!r} (at most {self.max_recompute_ratio!r}): the second "
+                                 f"stage keeps a subset of the candidates")
             if num_layers is not None and self.full_layers + self.rescore_layers > num_layers:
                 raise ValueError(f"full_layers + rescore_layers = {self.full_layers + self.rescore_layers} "
                                  f"exceeds the model's {num_layers} layers")
+
+    @property
+    def max_recompute_ratio(self) -> float:
+        """The largest share of reused tokens a request recomputes: recompute_ratio, or with "auto"
+        the most the rule gives (segment/recompute_budget.py)."""
+        return AUTO_RATIO_MAX if self.recompute_ratio == AUTO else self.recompute_ratio
 
     @property
     def kv_key(self) -> tuple:
@@ -294,7 +322,7 @@ class ReuseConfig:
         layers for it; 0 (one stage) otherwise, e.g. recompute_ratio=1.0 or selector="boundary"."""
         if self.rescore_layers is not None:
             return self
-        two_stage = (self.selector == "sparse_q" and self.candidate_ratio > self.recompute_ratio
+        two_stage = (self.selector == "sparse_q" and self.candidate_ratio > self.max_recompute_ratio
                      and self.full_layers + AUTO_RESCORE_LAYERS <= num_layers)
         return dataclasses.replace(self, rescore_layers=AUTO_RESCORE_LAYERS if two_stage else 0)
 

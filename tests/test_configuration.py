@@ -203,7 +203,7 @@ def test_a_value_of_the_wrong_type_is_refused():
         EngineConfig(block_size=16.0)
     with pytest.raises(ValueError, match="approx_prefix must be a bool, got 1"):
         ReuseConfig(approx_prefix=1).verify()
-    with pytest.raises(ValueError, match=r"recompute_ratio must be a number in \[0\.0, 1\.0\], got nan"):
+    with pytest.raises(ValueError, match=r"recompute_ratio must be a number in \[0\.0, 1\.0\] or 'auto', got nan"):
         ReuseConfig(recompute_ratio=float("nan")).verify()
     with pytest.raises(ValueError, match="dtype must be one of .* or a torch.dtype, got 'bf17'"):
         EngineConfig(dtype="bf17")
@@ -285,3 +285,30 @@ def test_the_profile_is_no_part_of_the_kv_key():
     named = ReuseConfig().with_overrides({"reuse_profile": "quality"})
     spelled = ReuseConfig(full_layers=2, recompute_ratio=0.5)
     assert named.kv_key == spelled.kv_key and named != spelled
+
+
+def test_recompute_ratio_auto_is_accepted_everywhere_and_other_words_are_refused():
+    """"auto" from LLM / EngineConfig, the CLI and a per-request HTTP override; any other string is
+    refused naming what is allowed."""
+    from sparsex.entrypoints.protocol import ReuseOptions
+    assert EngineConfig.from_knobs(recompute_ratio="auto").reuse.recompute_ratio == "auto"
+    args = cli.build_parser().parse_args(["generate", "x", "--recompute-ratio", "auto"])
+    assert EngineConfig.from_knobs(**engine_knobs(args)).reuse.recompute_ratio == "auto"
+    assert ReuseOptions(recompute_ratio="auto").overrides() == {"recompute_ratio": "auto"}
+    with pytest.raises(ValueError, match=r"recompute_ratio must be a number in \[0\.0, 1\.0\] or 'auto', got 'fast'"):
+        ReuseConfig(recompute_ratio="fast").verify()
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["generate", "x", "--recompute-ratio", "most"])
+    for bad in ("most", 1.5):
+        with pytest.raises(ValueError):
+            ReuseOptions(recompute_ratio=bad)
+
+
+def test_auto_two_stage_keeps_more_candidates_than_its_largest_ratio():
+    from sparsex.config import AUTO_RATIO_MAX
+    auto = ReuseConfig(recompute_ratio="auto")
+    assert auto.max_recompute_ratio == AUTO_RATIO_MAX < auto.candidate_ratio
+    assert auto.resolved(30).rescore_layers == 2                      # sparse_q's two stages, as for a number
+    with pytest.raises(ValueError, match="candidate_ratio 0.2 is below recompute_ratio 'auto'"):
+        ReuseConfig(recompute_ratio="auto", rescore_layers=2, candidate_ratio=0.2).verify()
+    assert dict(auto.kv_key)["recompute_ratio"] == "auto"             # its own approximate chain

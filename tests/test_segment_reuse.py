@@ -155,6 +155,30 @@ def test_counters_are_exact_and_prefix_plus_segments_work_together(llm_sx, passa
 
 
 @pytest.mark.model
+def test_auto_ratio_recomputes_more_of_a_nearly_fully_reused_prompt(llm_sx, passages):
+    """recompute_ratio="auto": each request recomputes the share its own new/reused counts give
+    (segment/recompute_budget.py), so a prompt that is nearly all reuse recomputes a larger share
+    than one with a long new question; a teacher-forced run of the same prompt plans the same share."""
+    from sparsex.segment.recompute_budget import auto_recompute_ratio
+    eng = llm_sx.llm_engine
+    eng.reset_cache()
+    run_to_completion(eng, _prompt(eng, HEAD, passages, QUESTION), ONE)                # register all six
+    reuse = {"selector": "kv_deviation", "recompute_ratio": "auto", "rescore_layers": 0, "min_context_tokens": 0,
+             "approx_prefix": False}       # the second prompt blends afresh, not along the first one's blocks
+    shares = []
+    for tail in (QUESTION * 3, "\nA:"):
+        p = pieces_prompt(eng, [*passages[::-1], tail], [True] * len(passages) + [False])      # only `tail` is new
+        out, _ = run_to_completion(eng, p, ONE, reuse=reuse)
+        reused = out.num_reused_tokens
+        new = len(p.token_ids) - out.num_cached_tokens - reused
+        ratio = auto_recompute_ratio(new, reused)
+        assert reused > 800 and out.num_recomputed_tokens == round(ratio * reused), (new, reused)
+        shares.append((new / (new + reused), ratio))
+    (long_share, long_ratio), (short_share, short_ratio) = shares
+    assert short_share < long_share and short_ratio > long_ratio
+
+
+@pytest.mark.model
 def test_bookkeeping_is_done_before_the_sampled_token_is_waited_for(llm_sx, passages, monkeypatch):
     """The blend's segment hits are unlocked, its new segments indexed and its blocks registered on
     the exact and approximate chains while the forward runs (between the runner's `launch` and

@@ -28,6 +28,7 @@ selector scores tokens with a probe on layer F-1, so F=0 points use the boundary
 rule that needs no full layer), which is said in their name.
 
 A custom policy is written ``SELECTOR:F:RATIO[:BOUNDARY][:KNOB=VALUE...]`` (e.g. ``kv_deviation:2:0.3``,
+``sparse_q:4:auto`` for a per-request ratio,
 ``sparse_q:2:0.15:rescore_layers=2:candidate_ratio=0.3``): any other `ReuseConfig` field by name.
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from sparsex.config import REUSE_PROFILES, SELECTORS, ReuseConfig
+from sparsex.config import REUSE_PROFILES, SELECTORS, ReuseConfig, parse_ratio
 
 SWEEP_RATIOS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 SWEEP_FULL_LAYERS = (0, 1, 2, 4)
@@ -128,12 +129,14 @@ def parse_knob(item: str, spec: str | None = None, positional: bool = False) -> 
         kind = kind[: -len(" | None")]
     if kind in (str, "str"):
         return name, text
+    if name == "recompute_ratio":
+        kind = parse_ratio
     try:
         if kind in (bool, "bool"):
             if text not in ("0", "1", "true", "false"):
                 raise ValueError
             return name, text in ("1", "true")
-        return name, (int(text) if kind in (int, "int") else float(text))
+        return name, (int(text) if kind in (int, "int") else parse_ratio(text) if kind is parse_ratio else float(text))
     except ValueError:
         raise ValueError(f"policy {spec!r}: bad value {text!r} for {name}") from None
 
@@ -148,7 +151,7 @@ def _custom(spec: str) -> Policy:
     if selector not in SELECTORS:
         raise ValueError(f"policy {spec!r}: unknown selector {selector!r}; choose one of {SELECTORS}")
     try:
-        full_layers, ratio = int(parts[1]), float(parts[2])
+        full_layers, ratio = int(parts[1]), parse_ratio(parts[2])
         boundary = int(parts[3]) if len(parts) == 4 else 0
     except ValueError:
         raise ValueError(f"policy {spec!r}: F and BOUNDARY must be integers, RATIO a number") from None

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Literal
+import typing
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from sparsex.config import ReuseConfig, knob_field, knob_meta, knob_type
+from sparsex.config import ReuseConfig, knob_field, knob_meta, knob_others, knob_type
 from sparsex.entrypoints.ingest import IngestParams
 from sparsex.sampling_params import MAX_LOGPROBS
 
@@ -64,7 +65,14 @@ def _reuse_options_model() -> type[_ReuseOptionsBase]:
     a new ReuseConfig knob is a request field without further code."""
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(ReuseConfig):
-        fields[f.name] = (knob_type(ReuseConfig, f) | None, _knob_field(f, optional=True))
+        others = knob_others(ReuseConfig, f)
+        if others:     # recompute_ratio: a bounded number or "auto" (the bounds go on the number alone)
+            meta = knob_meta(f)
+            number = Annotated[knob_type(ReuseConfig, f), Field(ge=meta["ge"], le=meta["le"])]
+            fields[f.name] = (typing.Union[(number, *others, None)],
+                              Field(default=None, description=meta["help"] or None))
+        else:
+            fields[f.name] = (knob_type(ReuseConfig, f) | None, _knob_field(f, optional=True))
     return create_model("ReuseOptions", __base__=_ReuseOptionsBase,
                         __doc__="Per-request overrides of the segment-reuse knobs (cache mode `sparsex` "
                                 "only; refused unless the server runs with --allow-reuse-overrides).",

@@ -26,11 +26,14 @@ reallocated) until the plan is released.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from sparsex.config import ReuseConfig
+from sparsex.config import AUTO, ReuseConfig
 from sparsex.outputs import ReusedSpan
 from sparsex.segment.segment_request import SegmentRequest
+from sparsex.segment.recompute_budget import auto_recompute_ratio
 from sparsex.segment.reuse_plan import ReusePlan, ReuseRecord, SpanHit
 from sparsex.segment.segment_index import SegmentEntry, SegmentIndex
 from sparsex.segment.segment_tiers import SegmentTiers
@@ -53,6 +56,11 @@ class ReusePlanner:
         num_prefix_hit = num_exact_hit + num_approx
         prefix = (ReusedSpan(num_exact_hit, num_prefix_hit, "approx_prefix"),) if num_approx else ()
         record = self._find(req, num_prefix_hit) if search else ReuseRecord()
+        if record.plan is not None and record.plan.reuse.recompute_ratio == AUTO:
+            # up to `prompt_end`: a teacher-forced evaluation gets the ratio the plain request gets
+            num_new = req.prompt_end - num_prefix_hit - record.plan.num_reused_tokens
+            ratio = auto_recompute_ratio(num_new, num_approx + record.plan.num_reused_tokens)
+            record.plan = ReusePlan(dataclasses.replace(record.plan.reuse, recompute_ratio=ratio), record.plan.hits)
         plan = record.plan
         record.reused_spans = prefix + tuple(ReusedSpan(h.start, h.end, h.source) for h in (plan.hits if plan else ()))
         record.exact_prefix_len = num_exact_hit if num_approx else (plan.first_reused_position if plan else None)
