@@ -22,7 +22,7 @@ import math
 from sparsex.config import AUTO_RATIO_MAX, AUTO_RATIO_MIN
 
 AUTO_SHARE_LOW = 0.004     # new share at or below which a request recomputes AUTO_RATIO_MAX
-AUTO_SHARE_HIGH = 0.007    # ... at or above which it recomputes AUTO_RATIO_MIN
+AUTO_SHARE_HIGH = 0.006    # ... at or above which it recomputes AUTO_RATIO_MIN
 
 
 def new_share(num_new: int, num_reused: int) -> float:
