@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparsex.entrypoints.tool_parsers.history import parse_history_arguments
+
 
 @dataclass(frozen=True)
 class SegmentSpan:
@@ -117,7 +119,8 @@ def chat_pieces(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     for m in messages:
         if not isinstance(m, dict) or "role" not in m:
             raise ValueError(f"each message needs a 'role', got {m!r}")
-    norm = [{**m, "content": _content_text(m.get("content"))} for m in messages]
+    # tool_calls' arguments arrive as JSON text (OpenAI); templates expect objects
+    norm = [{**m, "content": _content_text(m.get("content"))} for m in parse_history_arguments(messages)]
     # the reusable units: each text part of a message (a RAG message may carry several passages)
     parts = [_content_parts(m.get("content")) for m in messages]
     if tokenizer.chat_template is None:

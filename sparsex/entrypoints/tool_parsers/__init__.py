@@ -19,11 +19,12 @@ from typing import Any
 from sparsex.entrypoints.tool_parsers.base import ToolCallStream, ToolParser
 from sparsex.entrypoints.tool_parsers.granite import GraniteToolParser
 from sparsex.entrypoints.tool_parsers.hermes import HermesToolParser
+from sparsex.entrypoints.tool_parsers.history import parse_history_arguments
 from sparsex.entrypoints.tool_parsers.llama3_json import Llama3JsonToolParser
 from sparsex.entrypoints.tool_parsers.mistral import MistralToolParser
 from sparsex.entrypoints.tool_parsers.phi4_mini import Phi4MiniToolParser
 
-__all__ = ["PARSERS", "ToolCallStream", "ToolParser", "ToolSpecError", "StructuredOutputsUnavailable",
+__all__ = ["PARSERS", "PARSER_NAMES", "ToolCallStream", "ToolParser", "ToolSpecError", "StructuredOutputsUnavailable",
            "get_parser", "detect_parser", "resolve_parser", "check_tools", "effective_tool_choice",
            "constrain_to_tool_calls", "parse_history_arguments"]
 
@@ -31,6 +32,7 @@ __all__ = ["PARSERS", "ToolCallStream", "ToolParser", "ToolSpecError", "Structur
 _ORDER = (GraniteToolParser, MistralToolParser, Phi4MiniToolParser, Llama3JsonToolParser, HermesToolParser)
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in _ORDER}
 _BY_NAME: dict[str, type[ToolParser]] = {**PARSERS, **{a: p for p in _ORDER for a in p.aliases}}
+PARSER_NAMES: tuple[str, ...] = tuple(sorted(_BY_NAME))      # what --tool-call-parser accepts
 
 
 class ToolSpecError(ValueError):
@@ -154,27 +156,3 @@ def constrain_to_tool_calls(params, parser: type[ToolParser], tools: list[dict],
     except RuntimeError as e:                       # xgrammar could not convert a schema
         raise ToolSpecError(f"a tool's parameters schema cannot be enforced: {e}", "tools") from e
     return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(grammar=grammar))
-
-
-def parse_history_arguments(messages: list[dict]) -> list[dict]:
-    """Assistant messages' tool_calls with their JSON-string arguments as objects, as chat
-    templates expect them (they render `arguments | tojson`)."""
-    import json
-
-    out = []
-    for m in messages:
-        calls = m.get("tool_calls") if isinstance(m, dict) else None
-        if calls:
-            fixed = []
-            for c in calls:
-                fn = c.get("function") if isinstance(c, dict) else None
-                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-                    try:
-                        fn = {**fn, "arguments": json.loads(fn["arguments"])}
-                    except json.JSONDecodeError:
-                        pass
-                    c = {**c, "function": fn}
-                fixed.append(c)
-            m = {**m, "tool_calls": fixed}
-        out.append(m)
-    return out
