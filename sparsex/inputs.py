@@ -8,9 +8,8 @@ are ordinary new tokens — they are exactly where the new context touches the r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import json
 from typing import Any
-
-from sparsex.entrypoints.tool_parsers.history import parse_history_arguments
 
 
 @dataclass(frozen=True)
@@ -109,6 +108,28 @@ def _content_parts(content: Any) -> list[str]:
                             if isinstance(p, dict) and p.get("type", "text") == "text") if t]
     text = _content_text(content)
     return [text] if text else []
+
+
+def parse_history_arguments(messages: list[dict]) -> list[dict]:
+    """Assistant messages' tool_calls with their JSON-string arguments as objects, as chat
+    templates expect them (they render `arguments | tojson`)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if calls:
+            fixed = []
+            for c in calls:
+                fn = c.get("function") if isinstance(c, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    try:
+                        fn = {**fn, "arguments": json.loads(fn["arguments"])}
+                    except json.JSONDecodeError:
+                        pass
+                    c = {**c, "function": fn}
+                fixed.append(c)
+            m = {**m, "tool_calls": fixed}
+        out.append(m)
+    return out
 
 
 def chat_pieces(tokenizer, messages: list[dict], add_generation_prompt: bool = True,

@@ -19,14 +19,13 @@ from typing import Any
 from sparsex.entrypoints.tool_parsers.base import ToolCallStream, ToolParser
 from sparsex.entrypoints.tool_parsers.granite import GraniteToolParser
 from sparsex.entrypoints.tool_parsers.hermes import HermesToolParser
-from sparsex.entrypoints.tool_parsers.history import parse_history_arguments
 from sparsex.entrypoints.tool_parsers.llama3_json import Llama3JsonToolParser
 from sparsex.entrypoints.tool_parsers.mistral import MistralToolParser
 from sparsex.entrypoints.tool_parsers.phi4_mini import Phi4MiniToolParser
 
 __all__ = ["PARSERS", "PARSER_NAMES", "ToolCallStream", "ToolParser", "ToolSpecError", "StructuredOutputsUnavailable",
            "get_parser", "detect_parser", "resolve_parser", "check_tools", "effective_tool_choice",
-           "constrain_to_tool_calls", "parse_history_arguments"]
+           "constrain_to_tool_calls", "is_forcing"]
 
 # detection order: the more specific markers first (Granite 3.1 templates also say <tool_call>)
 _ORDER = (GraniteToolParser, MistralToolParser, Phi4MiniToolParser, Llama3JsonToolParser, HermesToolParser)
