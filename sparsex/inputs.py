@@ -8,6 +8,7 @@ are ordinary new tokens — they are exactly where the new context touches the r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import json
 from typing import Any
 
 
@@ -109,6 +110,28 @@ def _content_parts(content: Any) -> list[str]:
     return [text] if text else []
 
 
+def parse_history_arguments(messages: list[dict]) -> list[dict]:
+    """Assistant messages' tool_calls with their JSON-string arguments as objects, as chat
+    templates expect them (they render `arguments | tojson`)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if calls:
+            fixed = []
+            for c in calls:
+                fn = c.get("function") if isinstance(c, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    try:
+                        fn = {**fn, "arguments": json.loads(fn["arguments"])}
+                    except json.JSONDecodeError:
+                        pass
+                    c = {**c, "function": fn}
+                fixed.append(c)
+            m = {**m, "tool_calls": fixed}
+        out.append(m)
+    return out
+
+
 def chat_pieces(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                 tools: list[dict] | None = None) -> tuple[list[str], list[bool]]:
     """Render the chat template and cut it into glue and message-content pieces (content = reusable)."""
@@ -117,7 +140,8 @@ def chat_pieces(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     for m in messages:
         if not isinstance(m, dict) or "role" not in m:
             raise ValueError(f"each message needs a 'role', got {m!r}")
-    norm = [{**m, "content": _content_text(m.get("content"))} for m in messages]
+    # tool_calls' arguments arrive as JSON text (OpenAI); templates expect objects
+    norm = [{**m, "content": _content_text(m.get("content"))} for m in parse_history_arguments(messages)]
     # the reusable units: each text part of a message (a RAG message may carry several passages)
     parts = [_content_parts(m.get("content")) for m in messages]
     if tokenizer.chat_template is None:

@@ -25,6 +25,14 @@ class RequestMetrics:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
+@dataclass(frozen=True)
+class ToolCall:
+    """A function call parsed from a chat answer (`LLM.chat(..., tools=...)`, the server's `tool_calls`)."""
+    id: str
+    name: str
+    arguments: str                             # the arguments as a JSON text, as OpenAI sends them
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -33,6 +41,9 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None    # one dict per generated token: top-k + the sampled token
     finish_reason: str | None                  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None       # the stop string / token id that ended it
+    # LLM.chat with tools: the calls parsed from `text` (None: not parsed), and the text before them
+    tool_calls: list[ToolCall] | None = None
+    content: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from sparsex.config import EngineConfig
 from sparsex.engine.llm_engine import LLMEngine
+from sparsex.entrypoints import tool_parsers as tp
 from sparsex.entrypoints.ingest import INGEST_PARAMS, IngestParams, IngestResult, ingest_result, plan_ingest
 from sparsex.outputs import RequestOutput
 from sparsex.sampling_params import SamplingParams
@@ -61,13 +62,35 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, cache_salt: str | None = None,
-             tools: list[dict] | None = None, reuse: dict | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, reuse: dict | None = None, tool_choice: str | dict | None = None,
+             tool_parser: str | None = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, through the chat template.
-        Each message's content is a reusable segment."""
+        Each message's content is a reusable segment.
+
+        `tools` (OpenAI's function tools) are rendered by the chat template; unless `tool_choice` is
+        "none", each answer's calls are parsed into `CompletionOutput.tool_calls` (and the text before
+        them into `.content`) by `tool_parser` (a convention of sparsex.entrypoints.tool_parsers; default:
+        detected from the chat template). `tool_choice` "required" or {"type": "function", "function":
+        {"name": ...}} constrains decoding to a valid call (needs the engine's structured outputs)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         params = self._params(sampling_params, len(convs))
+        parser = None
+        tool_choice = tp.effective_tool_choice(tools, tool_choice)
+        tp.check_tools(tools, tool_choice)
+        if tools and tool_choice != "none":
+            parser = tp.resolve_parser(tool_parser, self.llm_engine.tokenizer.chat_template)
+            if parser is None:
+                raise ValueError("this model's chat template has no tool-call convention sparsex recognises: pass "
+                                 f"tool_parser= (one of {', '.join(tp.PARSER_NAMES)}), or tool_choice='none'")
+            if tp.is_forcing(tool_choice):
+                params = [tp.constrain_to_tool_calls(p, parser, tools, tool_choice) for p in params]
         tokenized = [self.llm_engine.chat_to_prompt(c, add_generation_prompt, cache_salt, tools) for c in convs]
-        return self._run(tokenized, params, use_tqdm, reuse)
+        outputs = self._run(tokenized, params, use_tqdm, reuse)
+        if parser is not None:
+            for out in outputs:
+                for c in out.outputs:
+                    c.content, c.tool_calls = parser.extract(c.text)
+        return outputs
 
     def ingest(self, segments: Sequence[str], *, prefix: str | None = None, cache_salt: str | None = None,
                passes: int = IngestParams.passes, group_size: int = IngestParams.group_size,

@@ -37,6 +37,7 @@ from sparsex.entrypoints.serving_common import ServingContext
 from sparsex.entrypoints.serving_completion import create_completion, segment_pieces
 from sparsex.entrypoints.serving_segments import ingest_segments
 from sparsex.entrypoints.settings import ServerSettings
+from sparsex.entrypoints.tool_parsers import resolve_parser
 from sparsex.version import __version__
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -51,7 +52,9 @@ def build_app(async_engine: AsyncLLM, settings: ServerSettings | None = None) ->
     settings = settings or ServerSettings()
     ctx = ServingContext(engine=async_engine, settings=settings,
                          model_name=settings.served_model_name or async_engine.model_name,
-                         token_text=TokenText(async_engine.tokenizer))
+                         token_text=TokenText(async_engine.tokenizer),
+                         tool_parser=resolve_parser(settings.tool_call_parser,
+                                                    getattr(async_engine.tokenizer, "chat_template", None)))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

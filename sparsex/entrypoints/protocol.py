@@ -146,6 +146,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
     # extension: render the assistant cue after the last message (off to continue a message)
     add_generation_prompt: bool = True
@@ -265,9 +266,21 @@ class CompletionLogprobs(_Response):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class FunctionCallInfo(_Response):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCallInfo(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallInfo
+
+
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallInfo] | None = None
 
 
 class ChatChoice(_Response):
@@ -290,6 +303,9 @@ class ChatCompletionResponse(_Response):
 class ChatDelta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    # OpenAI's shape: {"index", "id", "type", "function": {"name", "arguments"}} on a call's first
+    # delta, then {"index", "function": {"arguments": <fragment>}}
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(_Response):

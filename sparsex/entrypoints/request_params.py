@@ -7,6 +7,7 @@ from sparsex.config import ReuseConfig
 from sparsex.entrypoints.errors import APIError, bad_request
 from sparsex.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from sparsex.entrypoints.settings import ServerSettings
+from sparsex.entrypoints.tool_parsers import ToolSpecError, check_tools
 from sparsex.sampling_params import SamplingParams
 
 
@@ -29,8 +30,10 @@ def check_supported(req: _SamplingFields, settings: ServerSettings) -> None:
             _unsupported("top_logprobs", "needs logprobs: true")
         if req.response_format and req.response_format.get("type", "text") != "text":
             _unsupported("response_format", "other than {'type': 'text'} is not supported")
-        if req.tool_choice not in (None, "none", "auto"):
-            _unsupported("tool_choice", "other than 'none' or 'auto' is not supported")
+        try:
+            check_tools(req.tools, req.tool_choice)
+        except ToolSpecError as e:
+            raise bad_request(str(e), param=e.param) from e
     if req.reuse is not None and not settings.allow_reuse_overrides:
         raise APIError(400, "per-request 'reuse' overrides are disabled on this server: they change what the "
                             "shared segment cache keeps (start the server with --allow-reuse-overrides; to "

@@ -14,6 +14,7 @@ from typing import Any
 
 from sparsex.arg_types import positive_int
 from sparsex.config import EngineConfig, ReuseConfig, engine_knob_names, knob_field, knob_meta, reuse_knob_names
+from sparsex.entrypoints.tool_parsers import PARSER_NAMES
 from sparsex.knob_args import add_knob_arg, knob_help
 
 DEFAULT_MODEL = EngineConfig.model
@@ -58,6 +59,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-reuse-overrides", action="store_true",
                    help="accept a request body's `reuse` (per-request segment-reuse knobs; they change what the "
                         "shared segment index keeps): off by default, a request with `reuse` is a 400")
+    g.add_argument("--tool-call-parser", default=None, choices=PARSER_NAMES, metavar="NAME",
+                   help="how tool calls are written in the model's answers: " + ", ".join(PARSER_NAMES)
+                        + " (default: detected from the chat template)")
     g.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model's)")
     g.add_argument("--shutdown-timeout", type=float, default=None,
                    help="on SIGTERM, seconds to wait for in-flight requests before closing them (default: wait)")
@@ -96,7 +100,8 @@ def run_serve(args: argparse.Namespace) -> int:
         settings = ServerSettings(api_key=args.api_key, tenant_header=args.tenant_header,
                                   allow_shared_segments=args.allow_shared_segments,
                                   allow_reuse_overrides=args.allow_reuse_overrides,
-                                  served_model_name=args.served_model_name)
+                                  served_model_name=args.served_model_name,
+                                  tool_call_parser=args.tool_call_parser)
     except ValueError as e:
         print(f"sparsex serve: {e}", file=sys.stderr)
         return 2

@@ -24,6 +24,8 @@ from sparsex.entrypoints.protocol import (
     ChatCompletionResponse,
     ChatDelta,
     ChatResponseMessage,
+    FunctionCallInfo,
+    ToolCallInfo,
 )
 from sparsex.entrypoints.request_params import chat_sampling_params, check_supported
 from sparsex.entrypoints.serving_common import (
@@ -36,6 +38,16 @@ from sparsex.entrypoints.serving_common import (
     usage_of,
 )
 from sparsex.entrypoints.sse import DONE, EventStreamResponse, sse_event, unless_disconnected
+from sparsex.entrypoints.tool_parsers import (
+    PARSER_NAMES,
+    StructuredOutputsUnavailable,
+    ToolCallStream,
+    ToolParser,
+    ToolSpecError,
+    constrain_to_tool_calls,
+    effective_tool_choice,
+    is_forcing,
+)
 from sparsex.sampling_params import SamplingParams
 
 
@@ -50,12 +62,46 @@ def _part_scopes(body: ChatCompletionRequest) -> list[str]:
     return scopes
 
 
+def _tool_parser(body: ChatCompletionRequest, ctx: ServingContext,
+                 params: SamplingParams) -> tuple[type[ToolParser] | None, SamplingParams]:
+    """The parser for this request's answers (None: no tool calls to parse), and its sampling
+    params, constrained to a valid call for tool_choice "required" or a named function."""
+    tool_choice = effective_tool_choice(body.tools, body.tool_choice)
+    if not body.tools or tool_choice == "none":
+        return None, params                 # tools (if any) are still rendered into the prompt
+    parser = ctx.tool_parser
+    if parser is None:
+        raise bad_request("this model's chat template has no tool-call convention the server recognises: start the "
+                          "server with --tool-call-parser NAME (one of " + ", ".join(PARSER_NAMES) + ") to get "
+                          "tool calls, or send tool_choice 'none'", param="tools", code="tool_parser_required")
+    if is_forcing(tool_choice):
+        try:
+            params = constrain_to_tool_calls(params, parser, body.tools, tool_choice, body.parallel_tool_calls)
+        except StructuredOutputsUnavailable as e:
+            raise bad_request(str(e), param="tool_choice", code="unsupported_parameter") from e
+        except ToolSpecError as e:
+            raise bad_request(str(e), param=e.param) from e
+    return parser, params
+
+
+def _message(parser: type[ToolParser] | None, text: str, finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
+    if parser is None:
+        return ChatResponseMessage(content=text), finish_reason
+    content, calls = parser.extract(text)
+    if not calls:
+        return ChatResponseMessage(content=content), finish_reason
+    return (ChatResponseMessage(content=content, tool_calls=[
+        ToolCallInfo(id=c.id, function=FunctionCallInfo(name=c.name, arguments=c.arguments)) for c in calls]),
+        "tool_calls")
+
+
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: ServingContext) -> Response:
     ctx.check_model(body.model)
     check_supported(body, ctx.settings)
     if not body.messages:
         raise bad_request("messages must be a non-empty list", param="messages")
     params = chat_sampling_params(body)
+    parser, params = _tool_parser(body, ctx, params)
     ns = ctx.namespace(request, body.cache_salt, _part_scopes(body), "messages")
     messages = [m.to_template() for m in body.messages]
     tools, add_generation_prompt = body.tools, body.add_generation_prompt
@@ -69,7 +115,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     headers = {SCOPE_HEADER: ns.scope}
     created = int(time.time())
     if body.stream:
-        return EventStreamResponse(_events(body, params, ctx, streams, request_id, created),
+        return EventStreamResponse(_events(body, params, ctx, streams, request_id, created, parser),
                                    on_close=streams[0].abort, headers=headers)
     try:
         connected, outs = await unless_disconnected(final_outputs(streams), request.receive)
@@ -79,10 +125,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         return Response(status_code=499)    # nobody reads this: the client is gone
     out = outs[0]
     k = body.top_logprobs or 0
-    choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
-                          stop_reason=c.stop_reason,
+    choices = [ChatChoice(index=c.index, message=message, finish_reason=finish_reason, stop_reason=c.stop_reason,
                           logprobs=chat_logprobs(c.token_ids, c.logprobs or [], k, ctx.token_text) if body.logprobs else None)
-               for c in out.outputs]
+               for c in out.outputs for message, finish_reason in [_message(parser, c.text, c.finish_reason)]]
     resp = ChatCompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=choices,
                                   usage=usage_of(outs))
     return JSONResponse(resp.model_dump(), headers=headers)
@@ -91,6 +136,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 @dataclass
 class _Choice:
     text: TextDeltas
+    tools: ToolCallStream | None = None     # parses tool calls out of the released text
+    released: str = ""                      # the text TextDeltas released so far (with tools)
     tokens_sent: int = 0
     done: bool = False
 
@@ -103,10 +150,12 @@ def _chunk(request_id: str, created: int, model: str, choice: ChatChunkChoice, w
 
 
 async def _events(body: ChatCompletionRequest, params: SamplingParams, ctx: ServingContext,
-                  streams: list[RequestStream], request_id: str, created: int) -> AsyncIterator[str]:
+                  streams: list[RequestStream], request_id: str, created: int,
+                  parser: type[ToolParser] | None = None) -> AsyncIterator[str]:
     with_usage = bool(body.stream_options and body.stream_options.include_usage)
     model, k = ctx.model_name, body.top_logprobs or 0
-    choices = [_Choice(TextDeltas(params.stop, params.include_stop_str_in_output)) for _ in range(body.n)]
+    choices = [_Choice(TextDeltas(params.stop, params.include_stop_str_in_output),
+                       ToolCallStream(parser) if parser else None) for _ in range(body.n)]
     for i in range(body.n):
         yield _chunk(request_id, created, model, ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")),
                      with_usage)
@@ -120,17 +169,25 @@ async def _events(body: ChatCompletionRequest, params: SamplingParams, ctx: Serv
                     continue
                 finished = c.finish_reason is not None
                 delta = st.text.next(c.text, finished)
+                tool_deltas: list = []
+                finish_reason = c.finish_reason
+                if st.tools is not None:
+                    st.released += delta
+                    delta, tool_deltas = st.tools.feed(st.released, finished)
+                    if finished and st.tools.called:
+                        finish_reason = "tool_calls"
                 logprobs = None
                 if body.logprobs and len(c.token_ids) > st.tokens_sent:
                     logprobs = chat_logprobs(c.token_ids[st.tokens_sent:], (c.logprobs or [])[st.tokens_sent:], k,
                                              ctx.token_text)
                     st.tokens_sent = len(c.token_ids)
-                if not delta and logprobs is None and not finished:
+                if not delta and not tool_deltas and logprobs is None and not finished:
                     continue
                 st.done = finished
                 yield _chunk(request_id, created, model,
-                             ChatChunkChoice(index=c.index, delta=ChatDelta(content=delta or None), logprobs=logprobs,
-                                             finish_reason=c.finish_reason,
+                             ChatChunkChoice(index=c.index, delta=ChatDelta(content=delta or None,
+                                                                            tool_calls=tool_deltas or None),
+                                             logprobs=logprobs, finish_reason=finish_reason,
                                              stop_reason=c.stop_reason if finished else None),
                              with_usage)
     except RequestAbortedError:

@@ -22,6 +22,7 @@ from sparsex.entrypoints.logprobs import TokenText
 from sparsex.entrypoints.protocol import PromptTokensDetails, ReusedSpanInfo, SparseXUsage, Usage
 from sparsex.entrypoints.settings import ServerSettings
 from sparsex.entrypoints.tenancy import CacheNamespace, resolve_namespace
+from sparsex.entrypoints.tool_parsers import ToolParser
 from sparsex.outputs import TRANSPARENT_SOURCES, RequestOutput
 from sparsex.sampling_params import SamplingParams
 
@@ -34,6 +35,7 @@ class ServingContext:
     settings: ServerSettings
     model_name: str             # the name clients use
     token_text: TokenText
+    tool_parser: type[ToolParser] | None = None     # None: the model has no tool-call convention we know
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.engine.model_name):

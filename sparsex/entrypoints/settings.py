@@ -14,6 +14,7 @@ class ServerSettings:
     # floor for its own requests; ingestion has its own endpoint, POST /v1/segments
     allow_reuse_overrides: bool = False
     served_model_name: str | None = None      # the `model` clients must name (default: the engine's model name)
+    tool_call_parser: str | None = None       # tool-call convention (tool_parsers.PARSERS); None: from the chat template
     retry_after_s: int = 1                    # Retry-After on 503 queue-full answers
     shutdown_engine: bool = True              # stop (drain) the engine when the app shuts down
 
@@ -22,5 +23,8 @@ class ServerSettings:
             raise ValueError("api_key must be a non-empty string (or None for no authentication)")
         if self.tenant_header is not None and not self.tenant_header.strip():
             raise ValueError("tenant_header must be a header name (or None)")
+        if self.tool_call_parser is not None:
+            from sparsex.entrypoints.tool_parsers import get_parser
+            get_parser(self.tool_call_parser)           # ValueError naming the known parsers
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
