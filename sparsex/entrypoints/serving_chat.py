@@ -25,7 +25,7 @@ from sparsex.entrypoints.protocol import (
     ChatDelta,
     ChatResponseMessage,
 )
-from sparsex.entrypoints.request_params import chat_sampling_params, check_supported
+from sparsex.entrypoints.request_params import chat_sampling_params, check_supported, engine_fields
 from sparsex.entrypoints.serving_common import (
     SCOPE_HEADER,
     ServingContext,
@@ -65,7 +65,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 
     request_id = new_id("chatcmpl")
     reuse = body.reuse.overrides() if body.reuse else None
-    streams = await start_requests(ctx, request_id, [prompt], params, reuse, "messages")
+    streams = await start_requests(ctx, request_id, [prompt], params, reuse, "messages", engine_fields(body))
     headers = {SCOPE_HEADER: ns.scope}
     created = int(time.time())
     if body.stream:
