@@ -19,7 +19,6 @@ import torch
 
 from sparsex.cache.block_hash import BlockHash
 from sparsex.config import ReuseConfig
-from sparsex.engine.structured_output import RequestGrammar
 from sparsex.inputs import SegmentSpan
 from sparsex.outputs import RequestMetrics
 from sparsex.sampling_params import SamplingParams
@@ -54,7 +53,8 @@ class Request:
     generator: torch.Generator | None = None  # SamplingParams.seed: this request's own draws
     query_horizon: int | None = None          # TokenizedPrompt.query_horizon: tokens at/after it are a
                                               # scored continuation, hidden from reuse planning and selection
-    grammar: RequestGrammar | None = None     # SamplingParams.structured_outputs: this request's own matcher
+    grammar: object | None = None             # engine.structured_output.RequestGrammar (SamplingParams.
+                                              # structured_outputs): this request's own matcher
 
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
