@@ -110,9 +110,9 @@ def test_compile_cache_and_errors(tok):
     from sparsex.engine.structured_output import MAX_SPEC_CHARS, StructuredOutputError, StructuredOutputManager
     mgr = StructuredOutputManager(tok, 49152, (tok.eos_token_id,), torch.device("cpu"))
     a = StructuredOutputsParams(json={"type": "object", "properties": {"x": {"type": "integer"}}})
-    b = StructuredOutputsParams(json='{"properties": {"x": {"type": "integer"}}, "type": "object"}')
+    b = StructuredOutputsParams(json='{"type":  "object",\n "properties": {"x": {"type": "integer"}}}')
     mgr.compile(a)
-    mgr.compile(b)                                  # same schema, other key order and spelling: a hit
+    mgr.compile(b)                                  # same schema, as text, other whitespace: a hit
     assert (mgr.num_compiles, mgr.num_cache_hits, mgr.num_cached) == (1, 1, 1)
     g1, g2 = mgr.grammar_for(a), mgr.grammar_for(a)
     assert g1.matcher is not g2.matcher
@@ -176,30 +176,45 @@ def _chat(client, **kw):
 
 @pytest.mark.model
 def test_json_schema_outputs_validate(server):
-    _, llm, client = server
-    for name, schema in SCHEMAS.items():
-        for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 7}):
-            out = _chat(client, response_format=_fmt(schema, strict=name != "enum"), **kw)
-            c = out.choices[0]
-            assert c.finish_reason == "stop", (name, kw, c.message.content)
-            jsonschema.validate(json.loads(c.message.content), schema)
+    srv, llm, _ = server
+    # sent at once: the engine decodes them as one batch (and the test takes one request's time)
+    aclient = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+    async def chat(**kw):
+        kw.setdefault("max_tokens", 40)
+        return await aclient.chat.completions.create(model="smollm2-135m-instruct", messages=PROMPT,
+                                                     extra_headers={TENANT: uuid.uuid4().hex}, **kw)
+
+    async def streamed(**kw):
+        chunks = [ch async for ch in await chat(stream=True, **kw)]
+        return "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices), chunks[-1]
+
+    cases = [(name, kw) for name in SCHEMAS for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 7})]
+
+    async def main():
+        return await asyncio.gather(
+            *(chat(response_format=_fmt(SCHEMAS[name], strict=name != "enum"), **kw) for name, kw in cases),
+            streamed(response_format=_fmt(SCHEMAS["array"]), temperature=1.0, seed=3),
+            chat(response_format=_fmt(SCHEMAS["required"]), temperature=1.0, seed=11, n=2),   # a matcher per choice
+            chat(response_format={"type": "json_object"}, temperature=0, max_tokens=30))
+
+    *outs, (text, last), two, obj = asyncio.run(main())
+    for (name, kw), out in zip(cases, outs):
+        c = out.choices[0]
+        assert c.finish_reason == "stop", (name, kw, c.message.content)
+        jsonschema.validate(json.loads(c.message.content), SCHEMAS[name])
     # streamed: the deltas reassemble to a valid document
-    stream = _chat(client, response_format=_fmt(SCHEMAS["array"]), temperature=1.0, seed=3, stream=True)
-    chunks = list(stream)
-    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert last.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(text), SCHEMAS["array"])
-    # n = 2: each choice its own matcher, both valid
-    out = _chat(client, response_format=_fmt(SCHEMAS["required"]), temperature=1.0, seed=11, n=2)
-    assert len(out.choices) == 2
-    for c in out.choices:
+    assert len(two.choices) == 2
+    for c in two.choices:
         jsonschema.validate(json.loads(c.message.content), SCHEMAS["required"])
-    # json_object parses as an object
-    out = _chat(client, response_format={"type": "json_object"}, temperature=0, max_tokens=60)
-    if out.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(out.choices[0].message.content), dict)
+    # json_object: an object (a complete one unless max_tokens cut it)
+    c = obj.choices[0]
+    if c.finish_reason == "stop":
+        assert isinstance(json.loads(c.message.content), dict)
     else:
-        assert out.choices[0].message.content.lstrip().startswith("{")
+        assert c.message.content.lstrip().startswith("{")
     llm.call_sync(lambda e: e.check_integrity())
 
 
@@ -281,3 +296,20 @@ def test_bad_input_is_a_400_naming_it(server, body, param, code):
         with pytest.raises(openai.BadRequestError, match="nonsense"):
             _chat(client, response_format=_fmt({"type": "nonsense"}), max_tokens=2)
         assert _chat(client, max_tokens=2, temperature=0).choices[0].finish_reason == "length"
+
+
+# ---- model: offline ----------------------------------------------------------------------------------
+@pytest.mark.model
+def test_offline_generate_and_chat(llm_prefix):
+    from sparsex.engine.structured_output import StructuredOutputError
+    so = StructuredOutputsParams(json=SCHEMAS["enum"])
+    gen = llm_prefix.generate(["Mood as JSON:"], SamplingParams(temperature=0, max_tokens=20, structured_outputs=so))
+    chat = llm_prefix.chat(PROMPT, SamplingParams(temperature=1.0, seed=2, n=2, max_tokens=20, structured_outputs=so))
+    for c in gen[0].outputs + chat[0].outputs:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.text), SCHEMAS["enum"])
+    engine = llm_prefix.llm_engine
+    with pytest.raises(StructuredOutputError, match="nonsense"):
+        llm_prefix.generate(["x", "y"], SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "nonsense"})))
+    assert engine.get_num_unfinished_requests() == 0 and not engine.requests
+    engine.check_integrity()

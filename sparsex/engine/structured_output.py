@@ -9,7 +9,7 @@ JSON object or an EBNF grammar, through xgrammar.
     grammar.accept(token)                   # LLMEngine._append_token, once per sampled token
 
 A compiled grammar depends only on the spec (and the tokenizer), so it is compiled once and kept in
-an LRU cache keyed by the spec's canonical text; each request (each choice of an n > 1 request)
+an LRU cache keyed by the spec's compact text; each request (each choice of an n > 1 request)
 gets its own `xgrammar.GrammarMatcher` over it, held by the request (`Request.grammar`) and dropped
 with it: finishing or aborting a request frees nothing here. A preempted request keeps its output
 tokens (it is recomputed, not resampled), so its matcher needs no rollback.
@@ -62,16 +62,17 @@ class StructuredOutputError(InvalidParamError):
 
 @dataclass(frozen=True)
 class GrammarKey:
-    """The compile cache's key: what kind of spec, and its canonical text."""
+    """The compile cache's key: what kind of spec, and its compact text."""
     kind: str         # "json" | "json_object" | "grammar"
-    text: str         # canonical JSON (sorted keys) of a schema, the EBNF as given, "" for json_object
+    text: str         # a schema's compact JSON (its key order kept), the EBNF as given, "" for json_object
 
     @classmethod
     def of(cls, spec: StructuredOutputsParams) -> GrammarKey:
         if spec.json is not None:
             schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
             try:
-                text = json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
+                # key order kept: xgrammar emits an object's properties in the schema's order
+                text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
             except (TypeError, ValueError) as e:
                 raise StructuredOutputError(f"the JSON schema is not serialisable as JSON: {e}",
                                             code="invalid_json_schema") from None
@@ -130,7 +131,7 @@ class StructuredOutputManager:
                                             f"pip install xgrammar", code="structured_outputs_unavailable") from None
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=list(self.eos_token_ids) or None)
-            # our own cache (by canonical spec) replaces xgrammar's, so a grammar is held once
+            # our own cache (by the spec's text) replaces xgrammar's, so a grammar is held once
             self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads, cache_enabled=False)
         return self._compiler
 
