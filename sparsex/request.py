@@ -1,10 +1,10 @@
 """A request as the engine tracks it: tokens, progress (`num_computed_tokens`), blocks, outputs.
 
 Each field has one writer (docs/architecture.md has the table with the when):
-  LLMEngine.add_request   everything passed to the constructor
+  LLMEngine.add_request   everything passed to the constructor (`grammar` included)
   Scheduler               status, stop_reason, num_computed_tokens, num_cached_tokens, num_preemptions
   LLMEngine (step)        output_token_ids, output_logprobs, output_text, detokenizer, prompt_logprobs,
-                          distributions, metrics
+                          distributions, metrics, the state of `grammar` (its matcher accepts each token)
   KVCacheManager          blocks, block_hashes, num_exact_cached_blocks, approx_block_hashes,
                           num_approx_cached_blocks
   ReusePlanner            reuse_record, prompt_token_array
@@ -53,6 +53,8 @@ class Request:
     generator: torch.Generator | None = None  # SamplingParams.seed: this request's own draws
     query_horizon: int | None = None          # TokenizedPrompt.query_horizon: tokens at/after it are a
                                               # scored continuation, hidden from reuse planning and selection
+    grammar: object | None = None             # engine.structured_output.RequestGrammar (SamplingParams.
+                                              # structured_outputs): this request's own matcher
 
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

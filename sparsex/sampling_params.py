@@ -1,6 +1,7 @@
 """Per-request sampling parameters (vLLM's names and defaults)."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -11,6 +12,19 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 # Largest top-k a request may ask for (logprobs / prompt_logprobs); vLLM's default max_logprobs.
 MAX_LOGPROBS = 20
 
+# logit_bias values are clipped to this range by OpenAI; here a value outside it is an error.
+MAX_LOGIT_BIAS = 100.0
+
+
+class InvalidParamError(ValueError):
+    """A request the engine refuses, naming the SamplingParams field (`param`) and, for the server's
+    400, an error `code`."""
+
+    def __init__(self, message: str, param: str, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
 
 def _is_int(x: object) -> bool:
     # bool is a subclass of int; `top_k=True` is a caller bug, not the integer 1.
@@ -19,6 +33,42 @@ def _is_int(x: object) -> bool:
 
 def _is_real(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match; exactly one of these is set (verify() names the problem).
+
+    Compiled by engine/structured_output.py (xgrammar) when the request is queued; a schema or
+    grammar it cannot compile is refused there, before anything is allocated."""
+    json: dict | str | None = None        # a JSON schema (a dict or its JSON text)
+    json_object: bool = False             # any JSON object
+    grammar: str | None = None            # an EBNF grammar in xgrammar's dialect (root rule `root`)
+
+    def __post_init__(self) -> None:
+        self.verify()
+
+    def verify(self) -> None:
+        chosen = [name for name, on in (("json", self.json is not None), ("json_object", self.json_object is not False),
+                                        ("grammar", self.grammar is not None)) if on]
+        if len(chosen) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, json_object, grammar; "
+                             f"got {chosen or 'none'}")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            else:
+                schema = self.json
+            # a JSON schema is an object (or the boolean schema `true`, which constrains nothing: refused)
+            if not isinstance(schema, dict):
+                raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
+        if self.json_object is not False and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ValueError(f"structured_outputs.grammar must be a non-empty EBNF string, got {self.grammar!r}")
 
 
 @dataclass
@@ -40,6 +90,9 @@ class SamplingParams:
     distributions_from: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # the output must match this (JSON schema, any JSON object, EBNF grammar): engine/structured_output.py
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None      # token id -> bias in [-100, 100], added to the logits
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +133,19 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be StructuredOutputsParams, "
+                                 f"got {type(self.structured_outputs).__name__}")
+            self.structured_outputs.verify()
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            for tok, bias in self.logit_bias.items():
+                if not _is_int(tok) or tok < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
+                if not _is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                    raise ValueError(f"logit_bias[{tok}] must be in [-100, 100], got {bias!r}")
 
     @property
     def greedy(self) -> bool:

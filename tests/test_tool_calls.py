@@ -265,24 +265,28 @@ def test_server_tool_calls_equal_the_reference(servers):
 
 @pytest.mark.model
 def test_server_required_gives_a_valid_call(servers):
+    """tool_choice "required" or a named function: decoding is constrained, so even SmolLM2 (whose
+    template knows no tools) answers with calls that parse and validate against the tool's schema."""
+    import jsonschema
     srv, _ = servers
-    try:
-        from sparsex.sampling_params import StructuredOutputsParams  # noqa: F401
-    except ImportError:
-        StructuredOutputsParams = None                                  # noqa: N806
-    body = {"messages": [{"role": "user", "content": "What's the weather in Oslo?"}], "tools": [WEATHER],
-            "tool_choice": "required", "temperature": 0, "max_tokens": 64}
-    r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=300)
-    if StructuredOutputsParams is None:                 # this build has no structured outputs: refused, clearly
-        assert r.status_code == 400 and "needs structured outputs" in r.json()["error"]["message"]
-        assert r.json()["error"]["param"] == "tool_choice"
-        return
-    jsonschema_rs = pytest.importorskip("jsonschema_rs")
-    choice = r.json()["choices"][0]
-    assert choice["finish_reason"] == "tool_calls"
-    for call in choice["message"]["tool_calls"]:
-        assert call["function"]["name"] == "get_weather"
-        jsonschema_rs.validate(WEATHER["function"]["parameters"], json.loads(call["function"]["arguments"]))
+    client = _client(srv)
+    messages = [{"role": "user", "content": "What's the weather in Oslo?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = client.chat.completions.create(model="smollm2-135m-instruct", messages=messages, tools=[WEATHER, NOARGS],
+                                           tool_choice=choice, temperature=0, max_tokens=96)
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+        calls = r.choices[0].message.tool_calls
+        assert calls
+        for call in calls:
+            if isinstance(choice, dict):
+                assert call.function.name == "get_weather"
+            tool = WEATHER if call.function.name == "get_weather" else NOARGS
+            jsonschema.validate(json.loads(call.function.arguments), tool["function"].get("parameters", {}))
+    # the constraint and a response_format cannot both hold
+    with pytest.raises(openai.BadRequestError, match="cannot be combined") as e:
+        client.chat.completions.create(model="smollm2-135m-instruct", messages=messages, tools=[WEATHER],
+                                       tool_choice="required", response_format={"type": "json_object"}, max_tokens=8)
+    assert e.value.body["param"] == "tool_choice"
 
 
 @pytest.mark.model

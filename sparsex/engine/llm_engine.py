@@ -21,12 +21,13 @@ from sparsex.engine.quality_monitor import QualityMonitor, QualityResult
 from sparsex.engine.detokenizer import IncrementalDetokenizer
 from sparsex.engine.model_runner import ModelRunner, RequestStepResult
 from sparsex.engine.scheduler import Scheduler, SchedulerOutput
+from sparsex.engine.structured_output import RequestGrammar, StructuredOutputManager
 from sparsex.engine.warmup import PARAMS as WARMUP_PARAMS, warmup_waves
 from sparsex.inputs import TokenizedPrompt, chat_prompt, parse_prompt
 from sparsex.models.loader import load_model
 from sparsex.outputs import TRANSPARENT_SOURCES, CompletionOutput, RequestOutput
 from sparsex.request import Request, RequestStatus
-from sparsex.sampling_params import SamplingParams
+from sparsex.sampling_params import InvalidParamError, SamplingParams
 from sparsex.segment.reuse_plan import ReuseRecord
 from sparsex.segment.reuse_planner import ReusePlanner
 from sparsex.segment.segment_index import SegmentIndex
@@ -86,7 +87,11 @@ class LLMEngine:
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, loaded, self.max_model_len)
+        # engine/structured_output.py: compiled grammars (cached by spec) and the per-step token bitmask;
+        # xgrammar is loaded at the first structured request
+        self.structured_output = StructuredOutputManager(self.tokenizer, loaded.config.vocab_size, self.eos_token_ids,
+                                                         torch.device(config.device))
+        self.runner = ModelRunner(config, loaded, self.max_model_len, self.structured_output)
         self.store = None                # kvstore/segment_store.SegmentStore: host and shared tiers
         if config.enable_segment_reuse and (config.segment_store or config.host_kv_cache_memory):
             from sparsex.kvstore.record import model_fingerprint
@@ -203,6 +208,14 @@ class LLMEngine:
             raise ValueError(f"the KV pool ({self.kv.pool.num_blocks} blocks of {self.config.block_size} tokens) "
                              f"cannot hold a {n}-token prompt; raise kv_cache_memory or num_blocks")
         reuse_cfg = self._reuse_for(reuse)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if bad:
+            raise InvalidParamError(f"logit_bias has token ids outside the vocabulary (size {vocab}): {bad[:8]}",
+                                    param="logit_bias", code="invalid_logit_bias")
+        if params.structured_outputs is not None:
+            # compiled (or found in the cache) before anything is queued: a spec that fails leaves nothing behind
+            self.structured_output.compile(params.structured_outputs)
         arrival = time.time() if arrival_time is None else arrival_time
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         for i, rid in enumerate(ids):
@@ -211,10 +224,13 @@ class LLMEngine:
             gen = None
             if p.seed is not None:
                 gen = torch.Generator(device=self.runner.device).manual_seed(p.seed % 2**64)  # n>1: seed+i may wrap
+            grammar: RequestGrammar | None = None     # each choice its own matcher over the cached grammar
+            if p.structured_outputs is not None:
+                grammar = self.structured_output.grammar_for(p.structured_outputs)
             req = Request(request_id=rid, prompt_token_ids=list(tp.token_ids), params=p, arrival_time=arrival,
                           prompt=tp.text, cache_salt=tp.cache_salt, segments=list(tp.segments), reuse=reuse_cfg,
                           eos_token_ids=self.eos_token_ids, max_tokens=max_tokens, generator=gen,
-                          query_horizon=tp.query_horizon)
+                          query_horizon=tp.query_horizon, grammar=grammar)
             self.requests[rid] = req
             self.scheduler.add(req)
         if params.n > 1:
@@ -325,9 +341,16 @@ class LLMEngine:
             req.output_logprobs.append(logprobs)
         p = req.params
         status, stop_reason = None, None
-        if not p.ignore_eos and token in req.eos_token_ids:
+        if req.grammar is not None:
+            if not req.grammar.accept(token):
+                # the bitmask allowed only tokens the grammar accepts: this is a bug, not the model's choice
+                logger.error("request %s: grammar rejected sampled token %d; ending the request", req.request_id, token)
+                status, stop_reason = RequestStatus.FINISHED_ABORTED, "grammar_rejected_token"
+            elif req.grammar.is_terminated:       # its stop token (EOS) accepted: ends even with ignore_eos
+                status = RequestStatus.FINISHED_STOPPED
+        if status is None and not p.ignore_eos and token in req.eos_token_ids:
             status = RequestStatus.FINISHED_STOPPED
-        elif token in p.stop_token_ids:
+        elif status is None and token in p.stop_token_ids:
             status, stop_reason = RequestStatus.FINISHED_STOPPED, token
         if req.detokenizer is None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens)

@@ -23,6 +23,7 @@ from sparsex.config import EngineConfig
 from sparsex.engine.cuda_graph import BATCH_SIZES, DecodeGraphs
 from sparsex.layers.forward_context import ForwardContext
 from sparsex.engine.host_inputs import BlockTables, PinnedUploader
+from sparsex.engine.structured_output import StructuredOutputManager
 from sparsex.request import Request
 from sparsex.engine.scheduler import SchedulerOutput
 from sparsex.segment.step_blend import BlendResult, LayerPointerCache, StepBlend
@@ -75,8 +76,10 @@ def _attention_backend(device: torch.device) -> AttentionBackend:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, max_model_len: int):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, max_model_len: int,
+                 structured_output: StructuredOutputManager | None = None):
         self.config = config
+        self.structured_output = structured_output      # the sampled rows' token bitmasks (None: no grammars)
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         cfg = loaded.config
@@ -314,6 +317,11 @@ class ModelRunner:
             # greedy rows only take an argmax; the knob tensors travel only when some row samples
             for name in ("temperature", "top_p", "top_k", "min_p"):
                 setattr(batch, name, getattr(batch, name).to(self.device, non_blocking=True))
+        if batch.logit_bias is not None:
+            batch.logit_bias = batch.logit_bias.to(self.device)
+        if self.structured_output is not None:
+            # filled on the host from each row's matcher (advanced by the previous step's token), uploaded non_blocking
+            batch.token_bitmask = self.structured_output.grammar_bitmask([r.grammar for r in reqs])
         return self.sampler(logits, batch)
 
     def _collect_sample(self, reqs: list[Request], out: SamplerOutput, results: dict[str, RequestStepResult]) -> None:

@@ -128,6 +128,8 @@ class LLM:
             p.verify()
             if len(tp.token_ids) >= engine.max_model_len:
                 raise ValueError(f"prompt has {len(tp.token_ids)} tokens; max_model_len is {engine.max_model_len}")
+            if p.structured_outputs is not None:       # a schema that does not compile fails here (then cached)
+                engine.structured_output.compile(p.structured_outputs)
         ids = []
         try:
             for tp, p in zip(tokenized, params):

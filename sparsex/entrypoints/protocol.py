@@ -107,6 +107,11 @@ class _SamplingFields(_Request):
     cache_salt: str | None = Field(default=None, description="isolates this request's cache entries (see docs/server.md)")
     reuse: ReuseOptions | None = Field(default=None, description="per-request segment-reuse knobs (needs "
                                        "--allow-reuse-overrides; docs/configuration.md)")
+    # vLLM's structured-output extensions (chat also takes OpenAI's response_format)
+    structured_outputs: dict[str, Any] | None = Field(default=None, description="the output must match: "
+                                                      "{'json': schema} | {'json_object': true} | {'grammar': ebnf}")
+    guided_json: dict[str, Any] | str | None = Field(default=None, description="older vLLM spelling of "
+                                                     "structured_outputs={'json': schema}")
 
 
 # ---- chat -------------------------------------------------------------------------------------

@@ -2,13 +2,19 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+from typing import Any
 
 from sparsex.config import ReuseConfig
 from sparsex.entrypoints.errors import APIError, bad_request
 from sparsex.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from sparsex.entrypoints.settings import ServerSettings
 from sparsex.entrypoints.tool_parsers import ToolSpecError, check_tools
-from sparsex.sampling_params import SamplingParams
+from sparsex.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
+
+_TOKEN_ID = re.compile(r"[0-9]+")
+# vLLM's structured_outputs keys this server implements
+_STRUCTURED_KEYS = ("json", "json_object", "grammar")
 
 
 def _unsupported(field: str, why: str = "is not supported by this server") -> None:
@@ -21,15 +27,11 @@ def check_supported(req: _SamplingFields, settings: ServerSettings) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name) not in (None, 0, 0.0):
             _unsupported(name)
-    if req.logit_bias:
-        _unsupported("logit_bias")
     if req.stream_options is not None and not req.stream:
         _unsupported("stream_options", "is only allowed when stream is true")
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs is not None and not req.logprobs:
             _unsupported("top_logprobs", "needs logprobs: true")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            _unsupported("response_format", "other than {'type': 'text'} is not supported")
         try:
             check_tools(req.tools, req.tool_choice)
         except ToolSpecError as e:
@@ -52,8 +54,89 @@ def check_supported(req: _SamplingFields, settings: ServerSettings) -> None:
             _unsupported("best_of", "other than n is not supported")
 
 
+def logit_bias(req: _SamplingFields) -> dict[int, float] | None:
+    """OpenAI's logit_bias ({"token id": bias in [-100, 100]}) -> {token id: bias}; 400 naming the bad entry.
+    A token id past the vocabulary is refused by the engine (it knows the vocabulary)."""
+    if not req.logit_bias:
+        return None
+    out: dict[int, float] = {}
+    for key, bias in req.logit_bias.items():
+        if not _TOKEN_ID.fullmatch(key.strip()):
+            raise bad_request(f"logit_bias key {key!r} is not a token id (a non-negative integer)",
+                              param="logit_bias", code="invalid_logit_bias")
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise bad_request(f"logit_bias[{key!r}] = {bias!r} is outside [-100, 100]",
+                              param="logit_bias", code="invalid_logit_bias")
+        out[int(key)] = float(bias)
+    return out
+
+
+def _response_format(rf: dict[str, Any]) -> StructuredOutputsParams | None:
+    """OpenAI's response_format: text (no constraint), json_object, json_schema {name, schema, strict}.
+    The output always follows the schema, strict or not (strict only shapes what OpenAI accepts)."""
+    kind = rf.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind != "json_schema":
+        raise bad_request(f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+                          param="response_format", code="unsupported_parameter")
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request("response_format json_schema must be an object {name, schema, strict}",
+                          param="response_format.json_schema")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise bad_request(f"response_format json_schema.schema must be a JSON schema object, got "
+                          f"{type(schema).__name__}", param="response_format.json_schema.schema",
+                          code="invalid_json_schema")
+    if spec.get("strict") not in (None, True, False):
+        raise bad_request(f"response_format json_schema.strict must be a boolean, got {spec.get('strict')!r}",
+                          param="response_format.json_schema.strict")
+    return StructuredOutputsParams(json=schema)
+
+
+def _structured_extension(so: dict[str, Any]) -> StructuredOutputsParams:
+    unknown = sorted(set(so) - set(_STRUCTURED_KEYS))
+    if unknown:
+        raise bad_request(f"structured_outputs keys {unknown} are not supported (supported: "
+                          f"{list(_STRUCTURED_KEYS)})", param="structured_outputs", code="unsupported_parameter")
+    return StructuredOutputsParams(**so)
+
+
+def structured_outputs(req: _SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+    """(the spec, the request field it came from): chat's response_format, or vLLM's structured_outputs
+    / guided_json on either endpoint; at most one of them."""
+    given = [name for name in ("response_format", "structured_outputs", "guided_json")
+             if getattr(req, name, None) is not None and not (name == "response_format"
+                                                              and req.response_format.get("type", "text") == "text")]
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise bad_request(f"give at most one of {given}", param=given[1], code="unsupported_parameter")
+    field = given[0]
+    try:
+        if field == "response_format":
+            return _response_format(req.response_format), field
+        if field == "structured_outputs":
+            return _structured_extension(req.structured_outputs), field
+        return StructuredOutputsParams(json=req.guided_json), field
+    except ValueError as e:         # StructuredOutputsParams.verify names the problem
+        raise bad_request(str(e), param=field, code="invalid_structured_output") from e
+
+
+def engine_fields(req: _SamplingFields) -> dict[str, str]:
+    """SamplingParams field -> this request's field, for errors the engine raises (a schema xgrammar
+    cannot compile is reported against response_format on chat)."""
+    _, field = structured_outputs(req)
+    return {"structured_outputs": field} if field else {}
+
+
 def to_sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     """`max_tokens=None`: up to the context length."""
+    spec, _ = structured_outputs(req)
+    bias = logit_bias(req)
     try:
         return SamplingParams(
             n=req.n,
@@ -69,6 +152,8 @@ def to_sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            structured_outputs=spec,
+            logit_bias=bias,
         )
     except ValueError as e:
         raise bad_request(str(e)) from e

@@ -27,7 +27,7 @@ from sparsex.entrypoints.protocol import (
     FunctionCallInfo,
     ToolCallInfo,
 )
-from sparsex.entrypoints.request_params import chat_sampling_params, check_supported
+from sparsex.entrypoints.request_params import chat_sampling_params, check_supported, engine_fields
 from sparsex.entrypoints.serving_common import (
     SCOPE_HEADER,
     ServingContext,
@@ -40,7 +40,6 @@ from sparsex.entrypoints.serving_common import (
 from sparsex.entrypoints.sse import DONE, EventStreamResponse, sse_event, unless_disconnected
 from sparsex.entrypoints.tool_parsers import (
     PARSER_NAMES,
-    StructuredOutputsUnavailable,
     ToolCallStream,
     ToolParser,
     ToolSpecError,
@@ -75,10 +74,11 @@ def _tool_parser(body: ChatCompletionRequest, ctx: ServingContext,
                           "server with --tool-call-parser NAME (one of " + ", ".join(PARSER_NAMES) + ") to get "
                           "tool calls, or send tool_choice 'none'", param="tools", code="tool_parser_required")
     if is_forcing(tool_choice):
+        if params.structured_outputs is not None:
+            raise bad_request(f"tool_choice={tool_choice!r} constrains the output to a tool call: it cannot be combined "
+                              "with response_format or structured_outputs", param="tool_choice")
         try:
             params = constrain_to_tool_calls(params, parser, body.tools, tool_choice, body.parallel_tool_calls)
-        except StructuredOutputsUnavailable as e:
-            raise bad_request(str(e), param="tool_choice", code="unsupported_parameter") from e
         except ToolSpecError as e:
             raise bad_request(str(e), param=e.param) from e
     return parser, params
@@ -111,7 +111,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 
     request_id = new_id("chatcmpl")
     reuse = body.reuse.overrides() if body.reuse else None
-    streams = await start_requests(ctx, request_id, [prompt], params, reuse, "messages")
+    streams = await start_requests(ctx, request_id, [prompt], params, reuse, "messages", engine_fields(body))
     headers = {SCOPE_HEADER: ns.scope}
     created = int(time.time())
     if body.stream:

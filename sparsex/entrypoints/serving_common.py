@@ -24,7 +24,7 @@ from sparsex.entrypoints.settings import ServerSettings
 from sparsex.entrypoints.tenancy import CacheNamespace, resolve_namespace
 from sparsex.entrypoints.tool_parsers import ToolParser
 from sparsex.outputs import TRANSPARENT_SOURCES, RequestOutput
-from sparsex.sampling_params import SamplingParams
+from sparsex.sampling_params import InvalidParamError, SamplingParams
 
 SCOPE_HEADER = "X-SparseX-Cache-Scope"
 
@@ -53,7 +53,9 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def engine_error(e: Exception, settings: ServerSettings, param: str | None = None) -> APIError:
+def engine_error(e: Exception, settings: ServerSettings, param: str | None = None,
+                 fields: dict[str, str] | None = None) -> APIError:
+    """`fields`: SamplingParams field -> the request's field, for an InvalidParamError that names one."""
     if isinstance(e, QueueFullError):
         return APIError(503, f"the server is overloaded: {e}; retry later", code="queue_full",
                         headers={"Retry-After": str(settings.retry_after_s)})
@@ -61,14 +63,17 @@ def engine_error(e: Exception, settings: ServerSettings, param: str | None = Non
         return APIError(503, str(e), code="shutting_down")
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), code="engine_dead")
+    if isinstance(e, InvalidParamError):    # names the bad field (a schema that does not compile, a token id)
+        return bad_request(str(e), param=(fields or {}).get(e.param, e.param), code=e.code)
     if isinstance(e, ValueError):       # the engine validates before queuing: this is the input's fault
         return bad_request(str(e), param=param)
     raise e
 
 
 async def start_requests(ctx: ServingContext, request_id: str, prompts: list[PromptSource], params: SamplingParams,
-                         reuse: dict | None, param: str) -> list[RequestStream]:
-    """Queue one engine request per prompt; all or nothing (earlier ones are aborted on failure)."""
+                         reuse: dict | None, param: str, fields: dict[str, str] | None = None) -> list[RequestStream]:
+    """Queue one engine request per prompt; all or nothing (earlier ones are aborted on failure).
+    `fields`: see engine_error."""
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):
@@ -78,7 +83,7 @@ async def start_requests(ctx: ServingContext, request_id: str, prompts: list[Pro
         for s in streams:
             s.abort()
         if isinstance(e, Exception):
-            raise engine_error(e, ctx.settings, param) from e
+            raise engine_error(e, ctx.settings, param, fields) from e
         raise
     return streams
 

@@ -24,7 +24,7 @@ from sparsex.entrypoints.protocol import (
     CompletionResponse,
     SegmentPart,
 )
-from sparsex.entrypoints.request_params import check_supported, completion_sampling_params
+from sparsex.entrypoints.request_params import check_supported, completion_sampling_params, engine_fields
 from sparsex.entrypoints.serving_common import (
     SCOPE_HEADER,
     ServingContext,
@@ -90,7 +90,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
 
     request_id = new_id("cmpl")
     reuse = body.reuse.overrides() if body.reuse else None
-    streams = await start_requests(ctx, request_id, prompts, params, reuse, param)
+    streams = await start_requests(ctx, request_id, prompts, params, reuse, param, engine_fields(body))
     headers = {SCOPE_HEADER: ns.scope}
     created = int(time.time())
 

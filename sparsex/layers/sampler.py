@@ -1,6 +1,8 @@
 """Next-token sampling over a batch of final-position logits (vLLM-v1 semantics) and logprobs.
 
 Per row, in this order (as vLLM v1 does):
+  logit_bias added, then the structured-output token bitmask (layers/token_bitmask.py): disallowed
+    tokens -> -inf; both before everything below, greedy included.
   greedy (temperature < GREEDY_TEMPERATURE_EPS): argmax of the raw logits, ties to the lowest id;
     every other knob is ignored.
   otherwise: logits / temperature -> min_p (drop tokens whose prob < min_p * max prob)
@@ -13,7 +15,7 @@ probability p_i. Its only randomness is the noise tensor, drawn per row from tha
 so a seeded row's token depends on nothing but its own logits, knobs and generator state.
 
 Logprobs always describe the raw model distribution (log_softmax of the unmodified logits), like
-vLLM's default, whatever temperature or truncation was used to pick the token.
+vLLM's default, whatever temperature, truncation, logit_bias or bitmask was used to pick the token.
 """
 from __future__ import annotations
 
@@ -22,10 +24,39 @@ from dataclasses import dataclass
 
 import torch
 
+from sparsex.layers.token_bitmask import apply_token_bitmask_
 from sparsex.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 
 _TOP_K_CAP = 2**31 - 1  # larger than any vocabulary
+
+
+@dataclass
+class LogitBias:
+    """Every row's logit_bias as flat (row, token, value) triples: a handful of entries, not a
+    [num_seqs, vocab] tensor."""
+    rows: torch.Tensor          # [num_entries] int64
+    token_ids: torch.Tensor     # [num_entries] int64
+    values: torch.Tensor        # [num_entries] float32
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams]) -> LogitBias | None:
+        """None when no row has a bias. Host tensors."""
+        rows, ids, values = [], [], []
+        for row, p in enumerate(params):
+            for tok, bias in (p.logit_bias or {}).items():
+                rows.append(row); ids.append(tok); values.append(float(bias))
+        if not rows:
+            return None
+        return cls(torch.tensor(rows, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64),
+                   torch.tensor(values, dtype=torch.float32))
+
+    def to(self, device: torch.device) -> LogitBias:
+        """On CUDA: pinned, then one non_blocking copy each (no host sync)."""
+        if torch.device(device).type != "cuda":
+            return self
+        move = lambda t: t.pin_memory().to(device, non_blocking=True)
+        return LogitBias(move(self.rows), move(self.token_ids), move(self.values))
 
 
 @dataclass
@@ -47,6 +78,10 @@ class SamplingBatch:
     no_top_k: bool = False
     no_top_p: bool = False
     no_min_p: bool = False
+    logit_bias: LogitBias | None = None          # None: no row has one
+    # [num_seqs, ceil(vocab / 32)] int32 on the logits' device (layers/token_bitmask.py), set by the
+    # model runner from the rows' grammars (engine/structured_output.py); None: no row is constrained
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -88,6 +123,7 @@ class SamplingBatch:
             no_top_k=all(p.top_k == 0 for p in sampled),
             no_top_p=all(p.top_p >= 1.0 for p in sampled),
             no_min_p=all(p.min_p == 0.0 for p in sampled),
+            logit_bias=LogitBias.from_params(params),
         )
 
 
@@ -141,12 +177,13 @@ class Sampler:
             )
         # .float() returns the input itself when it already is float32: never modify it in place.
         logits32 = logits.float()                               # [num_seqs, vocab_size]
+        scores = _biased_and_masked(logits32, batch)            # what is sampled from (logprobs stay raw)
 
-        greedy_ids = logits32.argmax(dim=-1)                    # [num_seqs]
+        greedy_ids = scores.argmax(dim=-1)                      # [num_seqs]
         if batch.all_greedy:
             sampled = greedy_ids
         else:
-            random_ids = self._sample(logits32, batch)          # [num_seqs]
+            random_ids = self._sample(scores, batch)            # [num_seqs]
             is_greedy = batch.temperature < GREEDY_TEMPERATURE_EPS
             sampled = torch.where(is_greedy, greedy_ids, random_ids)
 
@@ -187,6 +224,19 @@ class Sampler:
         probs = x.softmax(dim=-1)                               # [num_seqs, vocab_size], 0 on removed tokens
         noise = _exponential_noise(probs, batch.generators)     # [num_seqs, vocab_size]
         return probs.div_(noise).argmax(dim=-1)
+
+
+def _biased_and_masked(logits32: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits32 + logit_bias, disallowed tokens at -inf: a new tensor when either applies, else logits32."""
+    if batch.logit_bias is None and batch.token_bitmask is None:
+        return logits32
+    scores = logits32.clone()                                   # [num_seqs, vocab_size]
+    bias = batch.logit_bias
+    if bias is not None:
+        scores.index_put_((bias.rows, bias.token_ids), bias.values, accumulate=True)
+    if batch.token_bitmask is not None:
+        apply_token_bitmask_(scores, batch.token_bitmask)       # after the bias: a bias cannot re-allow a token
+    return scores
 
 
 def _apply_top_k_top_p(

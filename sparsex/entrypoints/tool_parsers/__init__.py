@@ -17,13 +17,14 @@ import dataclasses
 from typing import Any
 
 from sparsex.entrypoints.tool_parsers.base import ToolCallStream, ToolParser
+from sparsex.sampling_params import SamplingParams, StructuredOutputsParams
 from sparsex.entrypoints.tool_parsers.granite import GraniteToolParser
 from sparsex.entrypoints.tool_parsers.hermes import HermesToolParser
 from sparsex.entrypoints.tool_parsers.llama3_json import Llama3JsonToolParser
 from sparsex.entrypoints.tool_parsers.mistral import MistralToolParser
 from sparsex.entrypoints.tool_parsers.phi4_mini import Phi4MiniToolParser
 
-__all__ = ["PARSERS", "PARSER_NAMES", "ToolCallStream", "ToolParser", "ToolSpecError", "StructuredOutputsUnavailable",
+__all__ = ["PARSERS", "PARSER_NAMES", "ToolCallStream", "ToolParser", "ToolSpecError",
            "get_parser", "detect_parser", "resolve_parser", "check_tools", "effective_tool_choice",
            "constrain_to_tool_calls", "is_forcing"]
 
@@ -40,10 +41,6 @@ class ToolSpecError(ValueError):
     def __init__(self, message: str, param: str):
         super().__init__(message)
         self.param = param
-
-
-class StructuredOutputsUnavailable(ValueError):
-    """A forcing tool_choice needs the engine's structured outputs, which this build lacks."""
 
 
 def get_parser(name: str) -> type[ToolParser]:
@@ -80,14 +77,11 @@ def _check_schema(schema: Any, where: str) -> None:
     if schema.get("type", "object") != "object":
         raise ToolSpecError(f"{where}.parameters must be a schema of type 'object', got type {schema.get('type')!r}",
                             where)
+    import jsonschema
     try:
-        import jsonschema_rs
-    except ImportError:
-        return
-    try:
-        jsonschema_rs.meta.validate(schema)
-    except Exception as e:                          # noqa: BLE001 - any reason the schema is not one
-        raise ToolSpecError(f"{where}.parameters is not a valid JSON Schema: {e}", where) from None
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise ToolSpecError(f"{where}.parameters is not a valid JSON Schema: {e.message}", where) from None
 
 
 def check_tools(tools: Any, tool_choice: Any) -> None:
@@ -136,22 +130,13 @@ def is_forcing(tool_choice: Any) -> bool:
     return tool_choice == "required" or isinstance(tool_choice, dict)
 
 
-def constrain_to_tool_calls(params, parser: type[ToolParser], tools: list[dict], tool_choice: Any,
-                            parallel_tool_calls: bool = True):
+def constrain_to_tool_calls(params: SamplingParams, parser: type[ToolParser], tools: list[dict], tool_choice: Any,
+                            parallel_tool_calls: bool = True) -> SamplingParams:
     """`params` with decoding constrained to a valid call (tool_choice "required" or a named
-    function) through the engine's structured outputs (an xgrammar grammar)."""
-    try:
-        from sparsex.sampling_params import StructuredOutputsParams
-    except ImportError:
-        StructuredOutputsParams = None              # noqa: N806
-    if StructuredOutputsParams is None or "structured_outputs" not in {f.name for f in dataclasses.fields(params)}:
-        raise StructuredOutputsUnavailable(
-            f"tool_choice={tool_choice!r} needs structured outputs (constrained decoding), which this build "
-            "of the engine does not have; use tool_choice 'auto'")
+    function) through the engine's structured outputs (an xgrammar grammar). ToolSpecError when a
+    tool's parameters schema cannot be enforced."""
     try:
         grammar = parser.call_grammar(tools, tool_choice, parallel_tool_calls)
-    except ImportError as e:
-        raise StructuredOutputsUnavailable(f"tool_choice={tool_choice!r} needs xgrammar: {e}") from e
     except RuntimeError as e:                       # xgrammar could not convert a schema
         raise ToolSpecError(f"a tool's parameters schema cannot be enforced: {e}", "tools") from e
     return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(grammar=grammar))
