@@ -7,7 +7,9 @@ hits `reuse_planner.ReusePlanner` planned and locked at admission, the model run
 
   install    the copy hook (every hit's K/V, from layer F-1 on, into the request's own blocks, keys
              re-rotated from the positions they were computed at to their new positions), a probe
-             on layer F-1 and the row selector inside layer F-1.
+             on layer F-1 and the row selector inside layer F-1. The query selectors (query_fused,
+             chunk_anchor) probe each of the full layers 1..F-1 (`query_layers`), and the copy hook
+             runs before the first of them.
   forward    layers 0..F-2 compute every row of R ∪ N; layer F-1 computes every row's K/V (the
              fresh ones overwrite the copies; the probe scores from them), then the selector keeps
              N plus the top-scored reused rows, and layer F-1's attention and MLP and layers
