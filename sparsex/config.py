@@ -15,8 +15,10 @@ import torch
 # Each choice list, declared once: for the knobs' `choices` and for every component that takes such
 # a value (the segment index's eviction policy, the shared store's fetch policy, ...).
 CACHE_MODES = ("none", "prefix", "sparsex")
-SELECTORS = ("sparse_q", "kv_deviation", "boundary", "random", "none", "all")
-PROBE_SELECTORS = ("kv_deviation", "sparse_q")     # score tokens with a probe on a full layer
+SELECTORS = ("sparse_q", "kv_deviation", "boundary", "random", "none", "all", "query_fused", "chunk_anchor")
+PROBE_SELECTORS = ("kv_deviation", "sparse_q", "query_fused", "chunk_anchor")   # score tokens with a probe on full layers
+# probe selectors ruled by the query rows' attention over several full layers (selectors.py): one stage only
+QUERY_SELECTORS = ("query_fused", "chunk_anchor")
 AUTO_RESCORE_LAYERS = 2     # sparse_q's second probe, this many layers below its first (ReuseConfig.resolved)
 # recompute_ratio="auto": the bounds of a request's share (the rule: segment/recompute_budget.py)
 AUTO_RATIO_MIN = 0.0625
@@ -289,6 +291,9 @@ class ReuseConfig:
         if self.selector in PROBE_SELECTORS and self.full_layers < 1:
             raise ValueError(f"selector {self.selector!r} scores tokens with a full layer: full_layers must be >= 1")
         if self.rescore_layers:
+            if self.selector in QUERY_SELECTORS:
+                raise ValueError(f"selector {self.selector!r} selects in one stage (its query mass is fused over the "
+                                 f"full layers already): rescore_layers must be 0, got {self.rescore_layers!r}")
             if self.selector not in PROBE_SELECTORS:
                 raise ValueError(f"rescore_layers needs a probe selector {PROBE_SELECTORS}, not {self.selector!r}")
             if self.candidate_ratio < self.max_recompute_ratio:

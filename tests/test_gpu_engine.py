@@ -140,3 +140,46 @@ def test_cuda_selection_scores_equal_the_torch_selectors(cpu_greedy, rescore_lay
     assert out.num_reused_tokens > 0
     assert checked == ([1] if rescore_layers == 0 else [1, 3])
     llm.llm_engine.check_integrity()
+
+
+@pytest.mark.parametrize("selector", ["query_fused", "chunk_anchor"])
+def test_cuda_query_selectors_equal_the_torch_reference(cpu_greedy, selector, monkeypatch):
+    """The query selectors on CUDA: at each fused layer (1..F-1) the query mass `triton_probe.query_key_mass`
+    adds equals the torch selector's over the keys the probe stored; the kept count is the host's; at
+    recompute_ratio=1 the greedy tokens are plain prefill's."""
+    from sparsex.config import ReuseConfig
+    from sparsex.segment import selectors
+    from sparsex.segment.step_blend import StepBlend, query_layers
+    llm = LLM(device="cuda", dtype="float32", cache="sparsex", seed=0, kv_cache_memory=1 << 28)
+    long = cpu_greedy["cases"][-1]["prompt_token_ids"]
+    sys_ids, question = long[:24], long[-40:]
+    passages = [long[24 + i * 160: 24 + (i + 1) * 160] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm.generate({"segments": [sys_ids, *passages, question]}, params, use_tqdm=False)
+    probe_query, checked = StepBlend._probe_query, []
+
+    def checked_probe_query(blend, seqs, layer_idx, q, k, v, k_cache, v_cache, ctx):
+        before = [None if b.query_mass is None else b.query_mass.clone() for b in seqs]
+        probe_query(blend, seqs, layer_idx, q, k, v, k_cache, v_cache, ctx)
+        md = ctx.attn_metadata
+        for b, prev in zip(seqs, before):
+            si = b.seq_index
+            n, bs = md.seq_lens_cpu[si], k_cache.shape[1]
+            keys = k_cache[md.block_tables[si, :(n + bs - 1) // bs].long()].flatten(0, 1)[:n]   # fresh K stored
+            rows = blend._current_rows(ctx, b.query_rows)
+            want = selectors.query_attention_mass(q[rows], keys, md.positions[rows], q.shape[-1] ** -0.5)[b.reused_pos]
+            got = (b.query_mass - (0 if prev is None else prev)) * len(query_layers(b.reuse))
+            assert ((got - want).norm() / want.norm()).item() < 1e-2, layer_idx
+        checked.append(layer_idx)
+    monkeypatch.setattr(StepBlend, "_probe_query", checked_probe_query)
+    second = {"segments": [sys_ids, *passages[2:], *passages[:2], question]}
+    out = llm.generate(second, params, use_tqdm=False, reuse={"selector": selector, "approx_prefix": False})[0]
+    n = out.num_reused_tokens
+    assert n > 0 and out.num_recomputed_tokens == round(0.125 * n)
+    assert checked == list(query_layers(ReuseConfig(selector=selector)))
+    full = llm.generate(second, params, use_tqdm=False,
+                        reuse={"selector": selector, "recompute_ratio": 1.0, "approx_prefix": False})[0]
+    assert full.num_recomputed_tokens == full.num_reused_tokens > 0            # its question is indexed now too
+    plain = LLM(device="cuda", dtype="float32", cache="none", seed=0, kv_cache_memory=1 << 28)
+    assert full.outputs[0].token_ids == plain.generate(second, params, use_tqdm=False)[0].outputs[0].token_ids
+    llm.llm_engine.check_integrity()

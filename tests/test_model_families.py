@@ -343,3 +343,70 @@ def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path, smollm2, p
     with torch.no_grad():
         want = torch.log_softmax(ref.eval()(input_ids=torch.tensor([ids])).logits[0].float(), -1)
     assert max(abs(out.prompt_logprobs[p][ids[p]] - want[p - 1, ids[p]].item()) for p in range(1, len(ids))) < 1e-3
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory, tok):
+    """A tiny random-weight Qwen3 directory (4 layers) of its own, for the query selectors' tests."""
+    path = tmp_path_factory.mktemp("qwen3-selectors")
+    build_family("qwen3", tok, path)
+    return str(path)
+
+
+@pytest.mark.model
+def test_query_selectors_recomputing_everything_equal_plain_prefill(tiny_qwen3, wiki_texts):
+    """query_fused and chunk_anchor (F=3: query mass fused over layers 1 and 2) at recompute_ratio=1
+    equal plain prefill, greedy tokens and logits; at 0.25 they keep exactly that share. A step that
+    blends query_fused next to a one-stage sparse_q request selecting a layer earlier (its rows
+    narrowed before query_fused's last probe) gives each what it gets alone."""
+    from sparsex.config import QUERY_SELECTORS
+    sx = LLM(model=tiny_qwen3, cache="sparsex", dtype="float32", num_blocks=POOL, min_blend_tokens=0,
+             transparent_segments=False)
+    full = LLM(model=tiny_qwen3, cache="none", dtype="float32", num_blocks=POOL)
+    eng, ref = sx.llm_engine, full.llm_engine
+    passages = [t[:500] for t in wiki_texts[20:23]]
+    question = "\nQuestion: which passage above is the oldest? Answer:"
+    run_to_completion(eng, pieces_prompt(eng, ["System: answer from the passages.\n\n", *passages, question],
+                                         [True] * 4 + [False]), ONE)                      # registers the segments
+    heads = ["Another system prompt.\n", "A second, different system prompt.\n"]
+    prompts = [pieces_prompt(eng, [h, *order, question], [True] * 4 + [False])
+               for h, order in zip(heads, (passages[::-1], [passages[1], passages[2], passages[0]]))]
+    p = prompts[0]
+    n = len(p.token_ids)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def tail(engine, reuse=None):
+        out, dist = run_to_completion(engine, p, ONE, reuse=reuse, distributions_from=n - 8)
+        return out, torch.stack([dist[i] for i in range(n - 8, n)])
+
+    _, want = tail(ref)
+    want_tokens = run_to_completion(ref, p, greedy)[0].outputs[0].token_ids
+    base = {"full_layers": 3, "approx_prefix": False}
+    for selector in QUERY_SELECTORS:
+        reuse = {**base, "selector": selector, "recompute_ratio": 1.0}
+        out, got = tail(eng, reuse)
+        assert out.num_reused_tokens > 200 and out.num_recomputed_tokens == out.num_reused_tokens, selector
+        assert ((got - want).norm() / want.norm()).item() < 1e-4, selector
+        assert run_to_completion(eng, p, greedy, reuse=reuse)[0].outputs[0].token_ids == want_tokens, selector
+        out, part = tail(eng, {**reuse, "recompute_ratio": 0.25})
+        assert out.num_recomputed_tokens == out.num_candidate_tokens == round(0.25 * out.num_reused_tokens)
+        assert ((part - want).norm() / want.norm()).item() > 1e-5, selector             # not vacuous
+    reuses = [{**base, "selector": "query_fused", "recompute_ratio": 0.25},
+              {**base, "selector": "sparse_q", "full_layers": 2, "recompute_ratio": 0.25, "rescore_layers": 0}]
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=4)
+    for q, r in zip(prompts, reuses):
+        run_to_completion(eng, q, ONE, reuse=r)                # each head indexed: both runs plan alike
+    alone = [run_to_completion(eng, q, params, reuse=r)[0] for q, r in zip(prompts, reuses)]
+    for i, (q, r) in enumerate(zip(prompts, reuses)):
+        eng.add_request(f"together-{i}", q, params, reuse=r)
+    together, steps = {}, 0
+    while eng.has_unfinished_requests():
+        steps += 1
+        together.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert steps == 1
+    for i, a in enumerate(alone):
+        t = together[f"together-{i}"]
+        assert (t.num_reused_tokens, t.num_recomputed_tokens) == (a.num_reused_tokens, a.num_recomputed_tokens)
+        la, lt = a.outputs[0].logprobs[0], t.outputs[0].logprobs[0]
+        assert list(la) == list(lt) and max(abs(la[x] - lt[x]) for x in la) < 1e-3
+    eng.check_integrity()

@@ -393,6 +393,13 @@ def test_policies() -> None:
     assert NAMED_POLICIES["sparsex"].knobs().rescore_layers is None
     assert NAMED_POLICIES["sparsex"].knobs().resolved(30).rescore_layers == 2
     assert NAMED_POLICIES["sparsex-every-hit"].knobs().resolved(30).rescore_layers == 2
+    # the query selectors (ProphetKV's and QCFuse's rules): one stage, auto resolves to it too
+    for selector in ("query_fused", "chunk_anchor"):
+        q = parse_policies(f"{selector}:4:0.125")[0].knobs()
+        assert (q.selector, q.full_layers, q.recompute_ratio, q.rescore_layers) == (selector, 4, 0.125, 0)
+        assert parse_policies(f"{selector}:4:0.125:rescore_layers=auto")[0].knobs().resolved(30).rescore_layers == 0
+        with pytest.raises(ValueError, match="one stage"):
+            parse_policies(f"{selector}:4:0.125:rescore_layers=2")
     auto = parse_policies("sparse_q:4:0.125:rescore_layers=auto")[0].knobs()
     assert auto.rescore_layers is None and auto.resolved(30) == NAMED_POLICIES["sparsex-every-hit"].knobs().resolved(30)
     # the GPU benchmark's --variants name every field, the positional ones too

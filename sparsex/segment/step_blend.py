@@ -7,7 +7,9 @@ hits `reuse_planner.ReusePlanner` planned and locked at admission, the model run
 
   install    the copy hook (every hit's K/V, from layer F-1 on, into the request's own blocks, keys
              re-rotated from the positions they were computed at to their new positions), a probe
-             on layer F-1 and the row selector inside layer F-1.
+             on layer F-1 and the row selector inside layer F-1. The query selectors (query_fused,
+             chunk_anchor) probe each of the full layers 1..F-1 (`query_layers`), and the copy hook
+             runs before the first of them.
   forward    layers 0..F-2 compute every row of R ∪ N; layer F-1 computes every row's K/V (the
              fresh ones overwrite the copies; the probe scores from them), then the selector keeps
              N plus the top-scored reused rows, and layer F-1's attention and MLP and layers
@@ -76,6 +78,9 @@ class _SeqBlend:
     # CUDA sparse_q: (deviation [R], queries [T, H, D]) of the probe, made into scores by `select`
     # once the layer has stored this step's K (the query mass reads the paged cache)
     pending: tuple[torch.Tensor, torch.Tensor] | None = None
+    # query_fused / chunk_anchor: [R] the query rows' attention mass on each reused row, averaged
+    # over the probe layers so far (selectors.fused_layers)
+    query_mass: torch.Tensor | None = None
     selected: int = 0                  # reused rows the last selection kept
     candidates: int = 0                # reused rows the first selection kept
 
@@ -143,11 +148,13 @@ class StepBlend:
         self.copy_seconds = 0.0                  # host seconds building and launching the copy
         self.selection_seconds = 0.0             # host seconds in the probes and selections
         reuses = [s.reuse_plan.reuse for s in sched.scheduled if s.reuse_plan is not None]
-        hook_layer = min(selection_layer(r) for r in reuses)
-        copy_from = min(selection_layer(r) + (r.selector not in selectors.PROBE_SELECTORS) for r in reuses)
+        # the rows are known from the hook on: it runs before the first probe (query_fused probes
+        # from layer 1) or selection
+        hook_layer = min(min((selection_layer(r), *query_layers(r))) for r in reuses)
+        copy_from = min(selection_layer(r) + (r.selector not in selectors.DEVIATION_SELECTORS) for r in reuses)
         ctx.pre_layer_hooks[hook_layer] = lambda: self._copy_reused(sched, ctx, copy_from)
         probe_layers = {layer for r in reuses if r.selector in selectors.PROBE_SELECTORS
-                        for layer in selection_layers(r)}
+                        for layer in (*selection_layers(r), *query_layers(r))}
         ctx.probe_layers = frozenset(probe_layers)
         ctx.probe = self._probe if probe_layers else None
         self.layers = frozenset(layer for r in reuses for layer in selection_layers(r))
@@ -242,25 +249,61 @@ class StepBlend:
         """Before layer `layer_idx` stores this step's K/V: the deviation of every reused row's fresh
         K/V from the re-rotated copies still in the cache."""
         t0 = time.perf_counter()
-        md = ctx.attn_metadata
+        query = []                                    # query_fused / chunk_anchor sequences probing here
         for b in self._seqs:
+            if b.reuse.selector in selectors.QUERY_SELECTORS:
+                if b.stage == 0 and layer_idx in query_layers(b.reuse):
+                    query.append(b)
+                    if b.reuse.selector == "chunk_anchor" and layer_idx == b.layer:
+                        b.scores = self._deviation(b, k, v, k_cache, v_cache, ctx)   # before any store
+                continue
             if b.layer != layer_idx or b.reuse.selector not in selectors.PROBE_SELECTORS:
                 continue
             cur = self._current_rows(ctx, b.reused_rows)
-            if k.is_cuda:
-                dev = triton_probe.kv_deviation(k, v, k_cache, v_cache, cur, md.slot_mapping)   # [R]
-            else:
-                slots = md.slot_mapping[cur]
-                k_old = k_cache.view(-1, *k_cache.shape[2:])[slots]          # [R, KVH, D] re-rotated copies
-                v_old = v_cache.view(-1, *v_cache.shape[2:])[slots]
-                dev = selectors.kv_deviation_scores(k[cur], v[cur], k_old, v_old)   # [R]
+            dev = self._deviation(b, k, v, k_cache, v_cache, ctx)
             if b.reuse.selector == "kv_deviation" or b.query_rows.numel() == 0:
                 b.scores = dev
             elif k.is_cuda:
                 b.pending = (dev, q)
             else:
                 b.scores = self._sparse_q_scores(b, cur, dev, q, k, k_cache, ctx)
+        if query:
+            self._probe_query(query, layer_idx, q, k, v, k_cache, v_cache, ctx)
         self.selection_seconds += time.perf_counter() - t0
+
+    def _deviation(self, b: _SeqBlend, k, v, k_cache, v_cache, ctx: ForwardContext) -> torch.Tensor:
+        """[R] each reused row's K/V deviation from its re-rotated copy, still in the cache."""
+        md = ctx.attn_metadata
+        cur = self._current_rows(ctx, b.reused_rows)
+        if k.is_cuda:
+            return triton_probe.kv_deviation(k, v, k_cache, v_cache, cur, md.slot_mapping)
+        slots = md.slot_mapping[cur]
+        k_old = k_cache.view(-1, *k_cache.shape[2:])[slots]                  # [R, KVH, D] re-rotated copies
+        v_old = v_cache.view(-1, *v_cache.shape[2:])[slots]
+        return selectors.kv_deviation_scores(k[cur], v[cur], k_old, v_old)
+
+    def _probe_query(self, seqs: list[_SeqBlend], layer_idx: int, q, k, v, k_cache, v_cache,
+                     ctx: ForwardContext) -> None:
+        """query_fused / chunk_anchor at one of their probe layers: the query rows' attention mass on
+        each reused row, added into its mean over `query_layers` (selectors.add_layer_mass). On the
+        GPU the mass reads the paged cache, so this step's K/V are stored first (the layer stores the
+        same values again right after); every deviation of this layer was read before."""
+        md = ctx.attn_metadata
+        if k.is_cuda:
+            ctx.backend.store_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        scale = q.shape[-1] ** -0.5
+        for b in seqs:
+            si = b.seq_index
+            if b.query_rows.numel() == 0:                                    # no query: every row alike
+                mass = torch.ones(b.reused_rows.numel(), dtype=torch.float32, device=k.device)
+            elif k.is_cuda:
+                mass = triton_probe.query_key_mass(q, self._current_rows(ctx, b.query_rows), md.positions, k_cache,
+                                                   md.block_tables[si], md.seq_lens_cpu[si], scale)[b.reused_pos]
+            else:
+                rows = self._current_rows(ctx, b.query_rows)
+                keys = self._sequence_keys(si, k, k_cache, ctx)              # [n, KVH, D]
+                mass = selectors.query_attention_mass(q[rows], keys, md.positions[rows], scale)[b.reused_pos]
+            b.query_mass = selectors.add_layer_mass(b.query_mass, mass, len(query_layers(b.reuse)))
 
     def _finish_sparse_q(self, b: _SeqBlend, layer_idx: int, ctx: ForwardContext) -> torch.Tensor:
         """CUDA sparse_q, after the layer's K/V store: the probe's deviation weighted by the query
@@ -385,6 +428,10 @@ class StepBlend:
                 scores = selectors.boundary_scores(b.offsets)
             elif r.selector == "random":
                 scores = selectors.random_scores(n, self._gen).to(dev)
+            elif r.selector == "query_fused":        # no query rows: the segment starts, as boundary
+                scores = b.query_mass if b.query_rows.numel() else selectors.boundary_scores(b.offsets)
+            elif r.selector == "chunk_anchor":
+                scores = selectors.chunk_anchor_scores(b.query_mass, b.scores, b.offsets, keep, b.num_segments)
             else:
                 scores = b.scores.float()
             top = torch.topk(scores.masked_fill(keep, float("-inf")), k).indices
@@ -404,6 +451,12 @@ def selection_layers(reuse: ReuseConfig) -> tuple[int, ...]:
     request's (`ReuseConfig.resolved`: rescore_layers is an int)."""
     first = selection_layer(reuse)
     return (first, first + reuse.rescore_layers) if reuse.rescore_layers else (first,)
+
+
+def query_layers(reuse: ReuseConfig) -> tuple[int, ...]:
+    """The layers whose probe adds to query_fused's / chunk_anchor's fused query mass (the last is
+    their selection layer); () for every other selector."""
+    return selectors.fused_layers(reuse.full_layers) if reuse.selector in selectors.QUERY_SELECTORS else ()
 
 
 _QUERY_ROWS = 128          # new rows (the last ones) whose attention weights sparse_q's scores
