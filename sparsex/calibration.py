@@ -65,11 +65,13 @@ RUN_KNOBS = {"transparent_segments": False, "approx_prefix": False}
 @dataclass(frozen=True)
 class KLBounds:
     """Each profile's KL bound (nats, KL(full prefill || reuse), mean over scored positions). The
-    defaults are SmolLM2's built-in profiles' KL on the 96-request rag headline, rounded up: quality
-    0.0023 -> 0.0025, default 0.0044 -> 0.005, and twice that for fast."""
-    fast: float = 0.01
-    default: float = 0.005
-    quality: float = 0.0025
+    defaults anchor the rule on the model the built-in profiles were chosen on: SmolLM2's built-in
+    profiles measured on the default calibration set (6 of its requests: fast 0.0163, default 0.0143,
+    quality 0.0079), rounded up, so that calibrating SmolLM2 finds its built-in default and quality again
+    (KL on this set's short continuations runs about three times the 96-request headline's)."""
+    fast: float = 0.02
+    default: float = 0.015
+    quality: float = 0.008
 
     def verify(self) -> None:
         for name in PROFILE_ORDER:
