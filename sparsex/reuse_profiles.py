@@ -158,7 +158,7 @@ def load_reuse_profiles(path: str, identity: ModelIdentity) -> ReuseProfiles:
         raise ValueError(f"reuse profile file {path!r} was calibrated on another model: {m['name']!r} "
                          f"({m['kind']} {m['fingerprint'][:16]}), not {identity.name!r} ({identity.kind} "
                          f"{identity.fingerprint[:16]}); run `sparsex calibrate` for this model, or pass "
-                         f"reuse_profile_file={NO_FILE!r} for the built-in profiles")
+                         f"reuse_profile_file={NO_FILE!r} (--reuse-profile-file {NO_FILE}) for the built-in profiles")
     table = {name: dict(doc["profiles"][name]["knobs"]) for name in REUSE_PROFILES}
     return ReuseProfiles(table, path)
 
