@@ -10,6 +10,7 @@
     sparsex bench replicas [--queries N] [--join-queries N] --out DIR     (shared segment store, 2 replicas)
     sparsex bench store [--sizes 64,256,1024,4096] [--repeats N] --out DIR  (store tier costs)
     sparsex serve [MODEL] [every engine flag] [server flags]
+    sparsex calibrate [MODEL] [--requests N] [--dataset PATH] [--out PATH] [--threads N] [--dtype D]  (reuse profile file)
 
 Engine flags (`--cache`, `--dtype`, `--recompute-ratio`, ...) come from EngineConfig / ReuseConfig
 (serve_cli.add_engine_args, knob_args.add_knob_arg), so `generate`, `serve`, `LLM(...)`, `demo`'s `--model`,
@@ -29,8 +30,9 @@ from sparsex.bench.replica_bench import add_replica_bench_parser
 from sparsex.bench.serve_bench import add_serve_bench_parser
 from sparsex.bench.store_bench import add_store_bench_parser
 from sparsex.bench.workload_bench import add_workload_bench_parser
+from sparsex.calibration import add_calibrate_parser
 from sparsex.config import EngineConfig, parse_dtype
-from sparsex.entrypoints.serve_cli import add_engine_args, add_serve_parser, engine_knobs
+from sparsex.entrypoints.serve_cli import add_engine_args, add_reuse_profile_file_arg, add_serve_parser, engine_knobs
 from sparsex.knob_args import add_knob_arg
 
 EXIT_USAGE = 2
@@ -58,6 +60,7 @@ def _add_generate(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="wrap PROMPT as a user message in the chat template")
     p.add_argument("--system", default=None, help="with --chat: a system message")
     add_engine_args(p)          # --seed among them: the engine's and the sampling seed
+    add_reuse_profile_file_arg(p)
     p.set_defaults(func=_run_generate)
 
 
@@ -121,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub, common)
     _add_bench(sub, common)
     add_serve_parser(sub)
+    add_calibrate_parser(sub)
     return parser
 
 
@@ -136,7 +140,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     resolve_model_name(args.model)         # an unknown model fails before any loading
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed)
-    llm = LLM(**engine_knobs(args))
+    llm = LLM(reuse_profile_file=args.reuse_profile_file, **engine_knobs(args))
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})

@@ -254,10 +254,12 @@ class ReuseConfig:
                              "applies) but indexes or merges its segments, as an ingestion pass does",
                        advanced=True)
 
-    def with_overrides(self, overrides: dict[str, Any] | None) -> ReuseConfig:
+    def with_overrides(self, overrides: dict[str, Any] | None,
+                       profiles: dict[str, dict[str, Any]] | None = None) -> ReuseConfig:
         """This config with `overrides` (ReuseConfig fields by name): a `reuse_profile` among them sets
         that profile's knobs first, then the other overrides apply over it (explicit knobs win).
-        An unknown name raises ValueError naming it."""
+        `profiles`: the engine's profile table (a calibrated one, sparsex/reuse_profiles.py), else
+        REUSE_PROFILES. An unknown name raises ValueError naming it."""
         if not overrides:
             return self
         fields = {f.name for f in dataclasses.fields(ReuseConfig)}
@@ -269,14 +271,15 @@ class ReuseConfig:
         base = self
         if profile is not None:
             check_knob(ReuseConfig, knob_field(ReuseConfig, "reuse_profile"), profile)
-            base = dataclasses.replace(self, reuse_profile=profile, **REUSE_PROFILES[profile])
+            base = dataclasses.replace(self, reuse_profile=profile, **(profiles or REUSE_PROFILES)[profile])
         return dataclasses.replace(base, **rest)
 
-    def for_model(self, num_layers: int) -> ReuseConfig:
+    def for_model(self, num_layers: int, profiles: dict[str, dict[str, Any]] | None = None) -> ReuseConfig:
         """A profile's full_layers fitted to a shallow model: at most half its layers (at least 2, at
         most all), so blending still has sparse layers to save. A full_layers other than the
-        profile's is the caller's and left as given (`verify` names one beyond the model)."""
-        profile_layers = REUSE_PROFILES[self.reuse_profile]["full_layers"]
+        profile's (in `profiles`, else REUSE_PROFILES) is the caller's and left as given (`verify`
+        names one beyond the model)."""
+        profile_layers = (profiles or REUSE_PROFILES)[self.reuse_profile]["full_layers"]
         cap = min(num_layers, max(2, num_layers // 2))
         if self.full_layers == profile_layers and self.full_layers > cap:
             return dataclasses.replace(self, full_layers=cap)

@@ -75,17 +75,23 @@ class _Track:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, reuse: ReuseConfig | None = None):
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, reuse: ReuseConfig | None = None,
+                 reuse_profile_source: str = "built-in"):
         """`reuse`: the engine's segment-reuse knobs (None without segment reuse), published once as
-        `sparsex:reuse_config_info` so a dashboard shows which profile and knobs the answers came from."""
+        `sparsex:reuse_config_info` so a dashboard shows which profile and knobs the answers came from;
+        `reuse_profile_source`: where the profile table came from ("built-in" or a calibrated file's
+        path, sparsex/reuse_profiles.py), its `profile_source` label."""
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         r, lbl = self.registry, ["model_name"]
         if reuse is not None:
-            Info(_PREFIX + "reuse_config", "The engine's segment-reuse profile and the knobs in force.",
+            rescore = "auto" if reuse.rescore_layers is None else str(reuse.rescore_layers)
+            Info(_PREFIX + "reuse_config", "The engine's segment-reuse profile, the knobs in force and where "
+                                           "the profile table came from (built-in or a calibrated file).",
                  registry=r).info({"model_name": model_name, "reuse_profile": reuse.reuse_profile,
                                    "full_layers": str(reuse.full_layers),
-                                   "recompute_ratio": str(reuse.recompute_ratio), "selector": reuse.selector})
+                                   "recompute_ratio": str(reuse.recompute_ratio), "selector": reuse.selector,
+                                   "rescore_layers": rescore, "profile_source": reuse_profile_source})
 
         def hist(name: str, doc: str, buckets) -> Histogram:
             return Histogram(_PREFIX + name, doc, lbl, registry=r, buckets=buckets)

@@ -155,6 +155,12 @@ def pytest_configure(config: pytest.Config) -> None:
     _wrap_engine(LLMEngine)
     _wrap_from_pretrained(PreTrainedModel)
     _wrap_cuda_init()
+    # `LLM(model)` loads a calibrated profile file it finds in the user's profile dir: the suite runs on
+    # the built-in profiles unless a test names a file or a dir of its own (sparsex/reuse_profiles.py)
+    import tempfile
+
+    from sparsex.reuse_profiles import PROFILE_DIR_ENV
+    os.environ[PROFILE_DIR_ENV] = tempfile.mkdtemp(prefix="sparsex-test-profiles-")
 
 
 @pytest.hookimpl(tryfirst=True)       # before `-m` deselects: a test without a lane joins `-m unit` and fails there

@@ -77,7 +77,10 @@ def test_defaults_agree():
     # LLM has no defaults of its own but the model's, which is EngineConfig's
     params = inspect.signature(LLM.__init__).parameters
     assert params["model"].default == engine.model
-    assert [p.kind for n, p in params.items() if n not in ("self", "model")] == [inspect.Parameter.VAR_KEYWORD]
+    # ... and where its profile table comes from (no knob: sparsex/reuse_profiles.py)
+    assert [(n, p.kind, p.default) for n, p in params.items() if n not in ("self", "model")] == [
+        ("reuse_profile_file", inspect.Parameter.KEYWORD_ONLY, None),
+        ("knobs", inspect.Parameter.VAR_KEYWORD, inspect.Parameter.empty)]
     for argv in (["serve"], ["generate", "x"]):
         cfg = engine_config(cli.build_parser().parse_args(argv))
         assert {n: getattr(cfg, n) for n in engine_knob_names()} == {n: getattr(engine, n) for n in engine_knob_names()}
@@ -218,7 +221,7 @@ def test_enforce_eager_is_a_knob_of_the_cli_and_of_llm(monkeypatch):
         assert engine_config(cli.build_parser().parse_args(argv)).enforce_eager is False
         assert engine_config(cli.build_parser().parse_args([*argv, "--enforce-eager"])).enforce_eager is True
     # LLM(...) takes it as a keyword and hands it to the engine in its config (a stub engine: no model)
-    monkeypatch.setattr(llm_module, "LLMEngine", lambda config: config)
+    monkeypatch.setattr(llm_module, "LLMEngine", lambda config, reuse_profiles=None: config)
     assert LLM(enforce_eager=True).llm_engine.enforce_eager is True
     with pytest.raises(ValueError, match="enforce_eager must be a bool, got 'yes'"):
         LLM(enforce_eager="yes")

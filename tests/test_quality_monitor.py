@@ -175,6 +175,7 @@ def test_the_reuse_config_info_names_the_profile_in_force():
     [info] = [s for fam in text_string_to_metric_families(text) for s in fam.samples
               if s.name == "sparsex:reuse_config_info"]
     assert info.labels == {"model_name": "m", "reuse_profile": "quality", "full_layers": "2",
-                           "recompute_ratio": "0.5", "selector": "kv_deviation"}
+                           "recompute_ratio": "0.5", "selector": "kv_deviation", "rescore_layers": "auto",
+                           "profile_source": "built-in"}
     no_reuse = ServerMetrics("m").render().decode()            # cache="prefix"/"none": no reuse, no info
     assert "reuse_config_info" not in no_reuse

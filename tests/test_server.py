@@ -556,8 +556,8 @@ def test_metrics(server):
         assert name in after, name
     assert 0.0 <= after["sparsex:kv_cache_usage_perc"] <= 1.0
     # the reuse profile and knobs in force, published once
-    assert after['sparsex:reuse_config_info{full_layers="4",recompute_ratio="0.125",reuse_profile="default",'
-                 'selector="sparse_q"}'] == 1.0
+    assert after['sparsex:reuse_config_info{full_layers="4",profile_source="built-in",recompute_ratio="0.125",'
+                 'rescore_layers="auto",reuse_profile="default",selector="sparse_q"}'] == 1.0
     assert after["sparsex:generation_tokens_total"] - before["sparsex:generation_tokens_total"] >= \
         resp.usage.completion_tokens
     # segment reuse earlier in this module moved the segment counters

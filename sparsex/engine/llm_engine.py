@@ -27,6 +27,7 @@ from sparsex.inputs import TokenizedPrompt, chat_prompt, parse_prompt
 from sparsex.models.loader import load_model
 from sparsex.outputs import TRANSPARENT_SOURCES, CompletionOutput, RequestOutput
 from sparsex.request import Request, RequestStatus
+from sparsex.reuse_profiles import ReuseProfiles
 from sparsex.sampling_params import InvalidParamError, SamplingParams
 from sparsex.segment.reuse_plan import ReuseRecord
 from sparsex.segment.reuse_planner import ReusePlanner
@@ -67,8 +68,11 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, reuse_profiles: ReuseProfiles | None = None):
+        """`reuse_profiles`: the profile table a request's `reuse_profile` names (a calibrated one,
+        sparsex/reuse_profiles.py; built-in when None). `config.reuse` is taken as built from it."""
         self.config = config
+        self.reuse_profiles = reuse_profiles or ReuseProfiles.builtin()
         if config.device != "cpu" and not torch.cuda.is_available():       # before loading any weights
             raise ValueError(f"device {config.device!r}: CUDA is not available here (torch {torch.__version__})")
         loaded = load_model(config.model, dtype=torch.float32, cache_dir=config.cache_dir, seed=config.seed,
@@ -81,8 +85,14 @@ class LLMEngine:
         self.model_config = loaded.config
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = tuple(loaded.config.eos_token_ids) or ((eos,) if eos is not None else ())
-        config.reuse = config.reuse.for_model(loaded.config.num_hidden_layers)
+        config.reuse = config.reuse.for_model(loaded.config.num_hidden_layers, self.reuse_profiles.table)
         config.reuse.verify(loaded.config.num_hidden_layers)
+        if config.enable_segment_reuse:
+            r = config.reuse
+            logger.info("segment reuse: reuse_profile=%s full_layers=%d recompute_ratio=%s selector=%s "
+                        "rescore_layers=%s; profiles %s", r.reuse_profile, r.full_layers, r.recompute_ratio,
+                        r.selector, "auto" if r.rescore_layers is None else r.rescore_layers,
+                        self.reuse_profiles.describe())
         self.max_model_len = config.max_model_len or loaded.config.max_position_embeddings
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
@@ -177,7 +187,8 @@ class LLMEngine:
         num_layers = self.model_config.num_hidden_layers
         if not overrides:
             return self.config.reuse.resolved(num_layers)
-        reuse = self.config.reuse.with_overrides(overrides).for_model(num_layers)
+        table = self.reuse_profiles.table
+        reuse = self.config.reuse.with_overrides(overrides, table).for_model(num_layers, table)
         reuse.verify(num_layers)
         # resolved per request, after the overrides: the engine's rescore_layers=None follows an
         # overridden selector or recompute_ratio (e.g. selector="boundary" runs one stage)

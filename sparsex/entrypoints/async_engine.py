@@ -35,6 +35,7 @@ from sparsex.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from sparsex.config import EngineConfig
     from sparsex.engine.llm_engine import LLMEngine
+    from sparsex.reuse_profiles import ReuseProfiles
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -154,7 +155,8 @@ class AsyncLLM:
         self._engine = engine
         self.max_queued_requests = max_queued_requests
         reuse = engine.config.reuse if engine.config.enable_segment_reuse else None
-        self.metrics = metrics if metrics is not None else ServerMetrics(engine.model_name, reuse=reuse)
+        self.metrics = metrics if metrics is not None else ServerMetrics(
+            engine.model_name, reuse=reuse, reuse_profile_source=engine.reuse_profiles.source)
         # immutable engine facts, safe to read from any thread
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
@@ -173,9 +175,9 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncLLM:
+    def from_config(cls, config: EngineConfig, reuse_profiles: ReuseProfiles | None = None, **kwargs: Any) -> AsyncLLM:
         from sparsex.engine.llm_engine import LLMEngine
-        return cls(LLMEngine(config), **kwargs)
+        return cls(LLMEngine(config, reuse_profiles), **kwargs)
 
     # ---- state ------------------------------------------------------------------------------
     @property

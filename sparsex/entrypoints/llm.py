@@ -11,6 +11,7 @@ from sparsex.engine.llm_engine import LLMEngine
 from sparsex.entrypoints import tool_parsers as tp
 from sparsex.entrypoints.ingest import INGEST_PARAMS, IngestParams, IngestResult, ingest_result, plan_ingest
 from sparsex.outputs import RequestOutput
+from sparsex.reuse_profiles import ReuseProfiles, engine_config, find_reuse_profiles
 from sparsex.sampling_params import SamplingParams
 
 
@@ -32,15 +33,21 @@ class LLM:
           selector (explicit knobs win over the profile)
       quality_sample: share of blended requests whose answers are scored against full prefill after each
           `generate` call (llm_engine.quality_monitor.results)
+      reuse_profile_file: the profiles' knobs from this `sparsex calibrate` file; unset = the model's
+          calibrated file in the profile dir if there is one, else the built-in profiles; "none" = built-in
+          (sparsex/reuse_profiles.py; `self.reuse_profiles` says which table is in force)
 
     An unknown keyword raises TypeError naming it and listing the valid ones. Per call,
     `generate(..., reuse={...})` overrides segment-reuse knobs for those prompts; `ingest` computes
     a corpus's segments ahead of the requests that will reuse them.
     """
 
-    def __init__(self, model: str = EngineConfig.model, **knobs: Any):
-        self.config = EngineConfig.from_knobs(model=model, **knobs)
-        self.llm_engine = LLMEngine(self.config)
+    def __init__(self, model: str = EngineConfig.model, *, reuse_profile_file: str | None = None, **knobs: Any):
+        self.reuse_profiles = ReuseProfiles.builtin()
+        if knobs.get("cache", EngineConfig.cache) == "sparsex":       # only segment reuse reads profiles
+            self.reuse_profiles = find_reuse_profiles(model, reuse_profile_file, seed=knobs.get("seed", EngineConfig.seed))
+        self.config = engine_config(self.reuse_profiles, model=model, **knobs)
+        self.llm_engine = LLMEngine(self.config, self.reuse_profiles)
         self._counter = itertools.count()
 
     def get_tokenizer(self):

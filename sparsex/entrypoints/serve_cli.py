@@ -16,6 +16,8 @@ from sparsex.arg_types import positive_int
 from sparsex.config import EngineConfig, ReuseConfig, engine_knob_names, knob_field, knob_meta, reuse_knob_names
 from sparsex.entrypoints.tool_parsers import PARSER_NAMES
 from sparsex.knob_args import add_knob_arg, knob_help
+from sparsex.reuse_profiles import ReuseProfiles, find_reuse_profiles
+from sparsex.reuse_profiles import engine_config as reuse_engine_config
 
 DEFAULT_MODEL = EngineConfig.model
 ENGINE_GROUP, REUSE_GROUP, ADVANCED_GROUP = "engine", "segment reuse", "advanced segment reuse"
@@ -75,13 +77,28 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                               description="Serve a model over an OpenAI-compatible HTTP API (see docs/server.md).")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=knob_help(knob_field(EngineConfig, "model")))
     add_engine_args(p)
+    add_reuse_profile_file_arg(p.add_argument_group(REUSE_GROUP))
     add_server_args(p)
     p.set_defaults(func=run_serve)
     return p
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig.from_knobs(**engine_knobs(args))
+def add_reuse_profile_file_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    p.add_argument("--reuse-profile-file", default=None, metavar="PATH",
+                   help="the reuse profiles' knobs from this `sparsex calibrate` file (default: the model's "
+                        "calibrated file in $SPARSEX_PROFILE_DIR or ~/.cache/sparsex/profiles if there is one, "
+                        "else the built-in profiles; 'none': built-in)")
+
+
+def reuse_profiles(args: argparse.Namespace) -> ReuseProfiles:
+    """The profile table the engine of these arguments uses (built-in unless segment reuse is on)."""
+    if args.cache != "sparsex":
+        return ReuseProfiles.builtin()
+    return find_reuse_profiles(args.model, getattr(args, "reuse_profile_file", None), seed=args.seed)
+
+
+def engine_config(args: argparse.Namespace, profiles: ReuseProfiles | None = None) -> EngineConfig:
+    return reuse_engine_config(profiles or ReuseProfiles.builtin(), **engine_knobs(args))
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -96,7 +113,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     try:
-        config = engine_config(args)
+        profiles = reuse_profiles(args)
+        config = engine_config(args, profiles)
         settings = ServerSettings(api_key=args.api_key, tenant_header=args.tenant_header,
                                   allow_shared_segments=args.allow_shared_segments,
                                   allow_reuse_overrides=args.allow_reuse_overrides,
@@ -105,12 +123,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"sparsex serve: {e}", file=sys.stderr)
         return 2
-    engine = AsyncLLM.from_config(config, max_queued_requests=args.max_queued_requests)
-    if config.enable_segment_reuse:
-        r = config.reuse          # fitted to the model by the engine (ReuseConfig.for_model)
-        logging.getLogger("sparsex.serve").info(
-            "segment reuse: reuse_profile=%s full_layers=%d recompute_ratio=%s selector=%s",
-            r.reuse_profile, r.full_layers, r.recompute_ratio, r.selector)
+    # the engine logs the reuse knobs in force and the profiles' source (file or built-in) as it starts
+    engine = AsyncLLM.from_config(config, reuse_profiles=profiles, max_queued_requests=args.max_queued_requests)
     app = build_app(engine, settings)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=args.shutdown_timeout))

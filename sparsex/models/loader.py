@@ -15,6 +15,7 @@ so later loads only read a safetensors file.
 """
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import re
@@ -195,6 +196,45 @@ def _gguf_source(resolved: str) -> _GGUFSource | None:
     if resolved.lower().endswith(".gguf"):
         return _name_from_path(resolved), _sha256_memo(resolved), lambda tmp: resolved
     return None
+
+
+def model_identity(model: str, *, seed: int = 0) -> tuple[str, str, str]:
+    """(name, kind, fingerprint) of a model spec, without loading or converting it: what tells a
+    model from another (a reuse-profile file names the model it was calibrated on).
+
+      gguf     sha256 of the GGUF (the packaged models' is known; a .gguf path's is hashed, memoised)
+      hf_dir   a conversion cache entry: its source GGUF's sha256; any other directory: sha256 over
+               config.json and, per *.safetensors file, its name, size and first and last MiB
+               (weights of another model differ there; a multi-GB checkpoint is not read whole)
+      dummy    sha256 of the shape's config and the seed that draws its weights
+    """
+    import hashlib
+    import json
+
+    resolved = resolve_model_name(model)
+    shape = dummy_shape_of(resolved)
+    if shape is not None:
+        blob = json.dumps({"shape": DUMMY_SHAPES[shape], "seed": seed}, sort_keys=True).encode()
+        return resolved, "dummy", hashlib.sha256(blob).hexdigest()
+    source = _gguf_source(resolved)
+    if source is not None:
+        return source[0], "gguf", source[1]
+    marker = hf_dir.read_marker(resolved) or {}
+    if marker.get("source_sha256"):
+        return marker.get("name") or _name_from_path(resolved), "gguf", marker["source_sha256"]
+    digest = hashlib.sha256()
+    with open(os.path.join(resolved, "config.json"), "rb") as f:
+        digest.update(f.read())
+    mib = 1 << 20
+    for path in sorted(glob.glob(os.path.join(resolved, "*.safetensors"))):
+        size = os.path.getsize(path)
+        digest.update(f"{os.path.basename(path)}:{size}".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(mib))
+            if size > 2 * mib:
+                f.seek(size - mib)
+                digest.update(f.read(mib))
+    return marker.get("name") or _name_from_path(resolved), "hf_dir", digest.hexdigest()
 
 
 def _name_from_path(path: str) -> str:
