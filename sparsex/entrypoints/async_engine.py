@@ -155,8 +155,11 @@ class AsyncLLM:
         self._engine = engine
         self.max_queued_requests = max_queued_requests
         reuse = engine.config.reuse if engine.config.enable_segment_reuse else None
-        self.metrics = metrics if metrics is not None else ServerMetrics(
-            engine.model_name, reuse=reuse, reuse_profile_source=engine.reuse_profiles.source)
+        if metrics is None:
+            # without segment reuse there is no profile table to report
+            source = engine.reuse_profiles.source if reuse is not None else "built-in"
+            metrics = ServerMetrics(engine.model_name, reuse=reuse, reuse_profile_source=source)
+        self.metrics = metrics
         # immutable engine facts, safe to read from any thread
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
