@@ -247,7 +247,8 @@ class StepBlend:
 
     def _probe(self, layer_idx, q, k, v, k_cache, v_cache, ctx: ForwardContext) -> None:
         """Before layer `layer_idx` stores this step's K/V: the deviation of every reused row's fresh
-        K/V from the re-rotated copies still in the cache."""
+        K/V from the re-rotated copies still in the cache; for query_fused / chunk_anchor, once every
+        deviation is read, the query rows' attention mass (`_probe_query`)."""
         t0 = time.perf_counter()
         query = []                                    # query_fused / chunk_anchor sequences probing here
         for b in self._seqs:
