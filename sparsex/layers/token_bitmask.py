@@ -1,8 +1,8 @@
 """Token bitmasks (structured outputs): which tokens each row may sample, 32 tokens per int32 word.
 
 Bit t % 32 of word t // 32 of a row set = token t allowed (xgrammar's layout; an unconstrained row
-is all ones). Applied with plain torch ops on whatever device the logits are on, so the mask never
-travels back to the host: unpack to a [num_seqs, vocab] bool and fill the disallowed logits with -inf.
+is all ones). Applied on the logits' device by xgrammar's kernel (`apply_token_bitmask_`), so the mask
+never travels back to the host; `unpack_bitmask` reads a mask as [num_seqs, vocab] bools.
 """
 from __future__ import annotations
 
@@ -27,9 +27,12 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Disallowed tokens' logits -> -inf, in place. logits [num_seqs, vocab], bitmask [num_seqs, num_words]
-    on the same device. Returns logits."""
+    """Disallowed tokens' logits -> -inf, in place, by xgrammar's own kernel for the logits' device
+    (the bitmask exists only once xgrammar has filled it, so it is loaded). logits [num_seqs, vocab]
+    float32, bitmask [num_seqs, num_words] on the same device. Returns logits."""
     if logits.dim() != 2 or bitmask.shape[0] != logits.shape[0]:
         raise ValueError(f"need logits [num_seqs, vocab] and bitmask [num_seqs, num_words], got "
                          f"{tuple(logits.shape)} and {tuple(bitmask.shape)}")
-    return logits.masked_fill_(~unpack_bitmask(bitmask, logits.shape[1]), float("-inf"))
+    import xgrammar as xgr
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1])
+    return logits
