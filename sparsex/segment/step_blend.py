@@ -260,14 +260,13 @@ class StepBlend:
                 continue
             if b.layer != layer_idx or b.reuse.selector not in selectors.PROBE_SELECTORS:
                 continue
-            cur = self._current_rows(ctx, b.reused_rows)
             dev = self._deviation(b, k, v, k_cache, v_cache, ctx)
             if b.reuse.selector == "kv_deviation" or b.query_rows.numel() == 0:
                 b.scores = dev
             elif k.is_cuda:
                 b.pending = (dev, q)
             else:
-                b.scores = self._sparse_q_scores(b, cur, dev, q, k, k_cache, ctx)
+                b.scores = selectors.sparse_q_scores(dev, self._query_mass(b, q, k, k_cache, ctx))
         if query:
             self._probe_query(query, layer_idx, q, k, v, k_cache, v_cache, ctx)
         self.selection_seconds += time.perf_counter() - t0
@@ -292,18 +291,11 @@ class StepBlend:
         md = ctx.attn_metadata
         if k.is_cuda:
             ctx.backend.store_kv(k, v, k_cache, v_cache, md.slot_mapping)
-        scale = q.shape[-1] ** -0.5
         for b in seqs:
-            si = b.seq_index
             if b.query_rows.numel() == 0:                                    # no query: every row alike
                 mass = torch.ones(b.reused_rows.numel(), dtype=torch.float32, device=k.device)
-            elif k.is_cuda:
-                mass = triton_probe.query_key_mass(q, self._current_rows(ctx, b.query_rows), md.positions, k_cache,
-                                                   md.block_tables[si], md.seq_lens_cpu[si], scale)[b.reused_pos]
             else:
-                rows = self._current_rows(ctx, b.query_rows)
-                keys = self._sequence_keys(si, k, k_cache, ctx)              # [n, KVH, D]
-                mass = selectors.query_attention_mass(q[rows], keys, md.positions[rows], scale)[b.reused_pos]
+                mass = self._query_mass(b, q, k, k_cache, ctx)
             b.query_mass = selectors.add_layer_mass(b.query_mass, mass, len(query_layers(b.reuse)))
 
     def _finish_sparse_q(self, b: _SeqBlend, layer_idx: int, ctx: ForwardContext) -> torch.Tensor:
@@ -311,12 +303,23 @@ class StepBlend:
         rows' attention mass on each reused token, read from the paged cache (triton_probe.py)."""
         dev, q = b.pending
         b.pending = None
+        return selectors.sparse_q_scores(dev, self._query_mass(b, q, None, ctx.kv_caches[layer_idx][0], ctx))
+
+    def _query_mass(self, b: _SeqBlend, q, k, k_cache, ctx: ForwardContext) -> torch.Tensor:
+        """[R] the query rows' attention mass on each reused row at this layer. On the GPU it reads
+        the paged cache (this step's K must be stored: `k` is unused); on the CPU it gathers the
+        sequence's keys with this step's fresh `k`."""
         md = ctx.attn_metadata
         si = b.seq_index
-        mass = triton_probe.query_key_mass(q, self._current_rows(ctx, b.query_rows), md.positions,
-                                           ctx.kv_caches[layer_idx][0], md.block_tables[si], md.seq_lens_cpu[si],
-                                           q.shape[-1] ** -0.5)                 # [n]
-        return selectors.sparse_q_scores(dev, mass[b.reused_pos])
+        rows = self._current_rows(ctx, b.query_rows)
+        scale = q.shape[-1] ** -0.5
+        if q.is_cuda:
+            mass = triton_probe.query_key_mass(q, rows, md.positions, k_cache, md.block_tables[si],
+                                               md.seq_lens_cpu[si], scale)                           # [n]
+        else:
+            keys = self._sequence_keys(si, k, k_cache, ctx)                  # [n, KVH, D]
+            mass = selectors.query_attention_mass(q[rows], keys, md.positions[rows], scale)           # [n]
+        return mass[b.reused_pos]
 
     def _sequence_keys(self, si: int, k, k_cache, ctx) -> torch.Tensor:
         """The sequence's keys at the probe layer: cached ones from the pool, this step's rows fresh."""
@@ -328,16 +331,6 @@ class StepBlend:
         r0, r1 = md.cu_seqlens_q_cpu[si], md.cu_seqlens_q_cpu[si + 1]
         keys[md.positions[r0:r1]] = k[r0:r1].to(keys.dtype)
         return keys
-
-    def _sparse_q_scores(self, b: _SeqBlend, cur, dev, q, k, k_cache, ctx) -> torch.Tensor:
-        """Deviation weighted by query-side importance: how much the new tokens' queries (the
-        user's question, the template glue) attend to each reused token at the probe layer (the
-        CPU path; `_probe` scores a sequence without query rows by its deviation alone)."""
-        md = ctx.attn_metadata
-        new_rows = self._current_rows(ctx, b.query_rows)
-        keys = self._sequence_keys(b.seq_index, k, k_cache, ctx)             # [n, KVH, D]
-        imp = selectors.query_attention_mass(q[new_rows], keys, md.positions[new_rows], q.shape[-1] ** -0.5)  # [n]
-        return selectors.sparse_q_scores(dev, imp[b.reused_pos])
 
     def select(self, layer_idx: int, ctx: ForwardContext) -> tuple[torch.Tensor, list[int]] | None:
         """Rows to keep from layer `layer_idx`'s attention on, and how many each sequence keeps;
