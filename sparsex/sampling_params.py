@@ -143,9 +143,11 @@ class SamplingParams:
                 raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
             for tok, bias in self.logit_bias.items():
                 if not _is_int(tok) or tok < 0:
-                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
+                    raise InvalidParamError(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}",
+                                            param="logit_bias", code="invalid_logit_bias")
                 if not _is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                    raise ValueError(f"logit_bias[{tok}] must be in [-100, 100], got {bias!r}")
+                    raise InvalidParamError(f"logit_bias[{tok}] must be in [-100, 100], got {bias!r}",
+                                            param="logit_bias", code="invalid_logit_bias")
 
     @property
     def greedy(self) -> bool:

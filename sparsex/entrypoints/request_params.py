@@ -10,7 +10,7 @@ from sparsex.entrypoints.errors import APIError, bad_request
 from sparsex.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from sparsex.entrypoints.settings import ServerSettings
 from sparsex.entrypoints.tool_parsers import ToolSpecError, check_tools
-from sparsex.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
+from sparsex.sampling_params import InvalidParamError, SamplingParams, StructuredOutputsParams
 
 _TOKEN_ID = re.compile(r"[0-9]+")
 # vLLM's structured_outputs keys this server implements
@@ -55,8 +55,8 @@ def check_supported(req: _SamplingFields, settings: ServerSettings) -> None:
 
 
 def logit_bias(req: _SamplingFields) -> dict[int, float] | None:
-    """OpenAI's logit_bias ({"token id": bias in [-100, 100]}) -> {token id: bias}; 400 naming the bad entry.
-    A token id past the vocabulary is refused by the engine (it knows the vocabulary)."""
+    """OpenAI's logit_bias ({"token id": bias}) -> {token id: bias}; a key that is no token id is a
+    400 naming it. The bias range is SamplingParams.verify's, a token id past the vocabulary the engine's."""
     if not req.logit_bias:
         return None
     out: dict[int, float] = {}
@@ -64,10 +64,7 @@ def logit_bias(req: _SamplingFields) -> dict[int, float] | None:
         if not _TOKEN_ID.fullmatch(key.strip()):
             raise bad_request(f"logit_bias key {key!r} is not a token id (a non-negative integer)",
                               param="logit_bias", code="invalid_logit_bias")
-        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-            raise bad_request(f"logit_bias[{key!r}] = {bias!r} is outside [-100, 100]",
-                              param="logit_bias", code="invalid_logit_bias")
-        out[int(key)] = float(bias)
+        out[int(key)] = bias
     return out
 
 
@@ -155,6 +152,8 @@ def to_sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs
             structured_outputs=spec,
             logit_bias=bias,
         )
+    except InvalidParamError as e:
+        raise bad_request(str(e), param=e.param, code=e.code) from e
     except ValueError as e:
         raise bad_request(str(e)) from e
 
