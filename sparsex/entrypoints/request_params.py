@@ -102,17 +102,22 @@ def _structured_extension(so: dict[str, Any]) -> StructuredOutputsParams:
     return StructuredOutputsParams(**so)
 
 
-def structured_outputs(req: _SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
-    """(the spec, the request field it came from): chat's response_format, or vLLM's structured_outputs
-    / guided_json on either endpoint; at most one of them."""
+def _structured_field(req: _SamplingFields) -> str | None:
+    """The request field that constrains the output: chat's response_format, or vLLM's
+    structured_outputs / guided_json on either endpoint; at most one of them (None: no constraint)."""
     given = [name for name in ("response_format", "structured_outputs", "guided_json")
              if getattr(req, name, None) is not None and not (name == "response_format"
                                                               and req.response_format.get("type", "text") == "text")]
-    if not given:
-        return None, None
     if len(given) > 1:
         raise bad_request(f"give at most one of {given}", param=given[1], code="unsupported_parameter")
-    field = given[0]
+    return given[0] if given else None
+
+
+def structured_outputs(req: _SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+    """(the spec, the request field it came from: `_structured_field`)."""
+    field = _structured_field(req)
+    if field is None:
+        return None, None
     try:
         if field == "response_format":
             return _response_format(req.response_format), field
@@ -126,7 +131,7 @@ def structured_outputs(req: _SamplingFields) -> tuple[StructuredOutputsParams | 
 def engine_fields(req: _SamplingFields) -> dict[str, str]:
     """SamplingParams field -> this request's field, for errors the engine raises (a schema xgrammar
     cannot compile is reported against response_format on chat)."""
-    _, field = structured_outputs(req)
+    field = _structured_field(req)
     return {"structured_outputs": field} if field else {}
 
 
