@@ -23,8 +23,12 @@
    value, plus the built-in profiles; then, for each profile's choice, its other selector / rescoring
    variants. `search="full"`: the whole product.
 4. The rule (`choose`): a profile's knobs are the least compute share among the points whose KL is at
-   most its bound (`KLBounds`; ties: lower KL); when no point meets the bound, the lowest KL (ties:
-   less compute), marked `meets_bound: false`. The bounds nest (fast >= default >= quality), so the
+   most its bound (ties: lower KL); when no point meets the bound, the lowest KL (ties: less compute),
+   marked `meets_bound: false`. The bounds (`KLBounds`) are relative by default: factors of the KL that
+   the built-in `default` profile measures on this model and set (the anchor, always among the points),
+   so a model whose whole curve sits lower gets tighter bounds: `default` is the least compute at least as
+   close to full prefill as the built-in default, `quality` about half its KL, `fast` half as much again.
+   `relative=False` makes them absolute KL values. The bounds nest (fast >= default >= quality), so the
    chosen compute grows from fast to quality.
 5. The file (sparsex/reuse_profiles.py, `FORMAT`): written to the profile dir under the model's key,
    where `LLM(model)` and `sparsex serve` find it, or to `out`.
@@ -64,23 +68,40 @@ RUN_KNOBS = {"transparent_segments": False, "approx_prefix": False}
 
 @dataclass(frozen=True)
 class KLBounds:
-    """Each profile's KL bound (nats, KL(full prefill || reuse), mean over scored positions). The
-    defaults anchor the rule on the model the built-in profiles were chosen on: SmolLM2's built-in
-    profiles measured on the default calibration set (6 of its requests: fast 0.0163, default 0.0143,
-    quality 0.0079), rounded up, so that calibrating SmolLM2 finds its built-in default and quality again
-    (KL on this set's short continuations runs about three times the 96-request headline's)."""
-    fast: float = 0.02
-    default: float = 0.015
-    quality: float = 0.008
+    """Each profile's KL bound. Relative (default): factors of the anchor, the KL (full prefill || reuse,
+    mean over scored positions) of the built-in default profile measured on the same model and set; the
+    factors make calibrating SmolLM2 find its built-in default and quality again (on its default set:
+    default 0.0143, quality 0.0079 = 0.55 of it), and keep `quality` ahead of `default` on models where
+    the built-in quality is not (Gemma 3 270M). Absolute (`relative=False`): KL values in nats, only
+    comparable on one calibration set (its short continuations run about three times the KL of the
+    96-request headline)."""
+    fast: float = 1.5
+    default: float = 1.0
+    quality: float = 0.56
+    relative: bool = True
 
     def verify(self) -> None:
         for name in PROFILE_ORDER:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"the {name} KL bound must be a number > 0, got {v!r}")
+                what = "factor" if self.relative else "KL bound"
+                raise ValueError(f"the {name} {what} must be a number > 0, got {v!r}")
         if not self.fast >= self.default >= self.quality:
             raise ValueError(f"KL bounds must nest fast >= default >= quality, got fast={self.fast} "
                              f"default={self.default} quality={self.quality}")
+
+    def resolve(self, anchor_kl: float) -> KLBounds:
+        """The absolute bounds: relative factors times `anchor_kl`; absolute bounds as they are."""
+        if not self.relative:
+            return self
+        if not anchor_kl >= 0:
+            raise ValueError(f"the anchor KL must be >= 0, got {anchor_kl!r}")
+        return KLBounds(self.fast * anchor_kl, self.default * anchor_kl, self.quality * anchor_kl, relative=False)
+
+
+# the absolute bounds `sparsex calibrate --bounds absolute` starts from: SmolLM2's built-in profiles on the
+# default set (fast 0.0163, default 0.0143, quality 0.0079), rounded up
+ABSOLUTE_BOUNDS = KLBounds(0.02, 0.015, 0.008, relative=False)
 
 
 @dataclass
@@ -209,6 +230,8 @@ def choose(points: list[PointResult], bounds: KLBounds) -> dict[str, Choice]:
     KL); when none meets it, the lowest KL (ties: less compute)."""
     if not points:
         raise ValueError("no measured point to choose from")
+    if bounds.relative:
+        raise ValueError("choose() takes absolute bounds: resolve relative ones against their anchor first")
     out = {}
     for name in PROFILE_ORDER:
         bound = getattr(bounds, name)
@@ -345,9 +368,11 @@ class Calibration:
     choices: dict[str, Choice]
     set_info: dict[str, Any]
     wall_seconds: float
+    bounds: KLBounds             # absolute: the config's bounds resolved against the anchor
+    anchor_kl: float             # the built-in default profile's KL on this model and set
 
     def profile_doc(self) -> dict[str, Any]:
-        b = self.cfg.bounds
+        b, asked = self.bounds, self.cfg.bounds
         profiles = {}
         for name in REUSE_PROFILES:
             c = self.choices[name]
@@ -366,6 +391,10 @@ class Calibration:
                      "rescore": list(self.cfg.rescore), "run_knobs": RUN_KNOBS},
             "rule": {"text": "per profile, the least compute share among points with KL <= its bound (ties: lower "
                              "KL); none meets it: the lowest KL (meets_bound false)",
+                     "bounds": "relative" if asked.relative else "absolute",
+                     "factors": {n: getattr(asked, n) for n in PROFILE_ORDER} if asked.relative else None,
+                     "anchor": "the built-in default profile's KL on this model and set",
+                     "anchor_kl": self.anchor_kl,
                      "kl_bounds": {n: getattr(b, n) for n in PROFILE_ORDER},
                      "kl": "KL(full prefill || reuse) in nats, pooled over every teacher-forced position",
                      "compute_share": "token-layers computed / full prefill's (prompt tokens x layers)"},
@@ -468,8 +497,10 @@ def run_calibration(cfg: CalibrationConfig) -> Calibration:
     bar.total = len(points) * len(w.prompts)
     for p in points:
         sweep.measure(p, "builtin" if p not in grid else "grid")
+    anchor_kl = sweep.results[builtins["default"].key(L)].kl
+    bounds = cfg.bounds.resolve(anchor_kl)
     if cfg.search == "staged":
-        first = choose(list(sweep.results.values()), cfg.bounds)
+        first = choose(list(sweep.results.values()), bounds)
         picked = [list(sweep.results.values())[c.point].knobs for c in first.values()]
         more = _unique([v for k in picked for v in variants(cfg, k)], L)
         more = [v for v in more if v.key(L) not in sweep.results]
@@ -490,7 +521,8 @@ def run_calibration(cfg: CalibrationConfig) -> Calibration:
                 "seed": cfg.seed, "ingest_passes": cfg.ingest_passes, "fidelity_tokens": cfg.fidelity_tokens,
                 "prompt_tokens_mean": round(sum(len(p.token_ids) for p in w.prompts) / len(w.prompts), 1),
                 "scored_positions": sum(len(r.cont) for r in refs)}
-    return Calibration(cfg, identity, L, results, choose(results, cfg.bounds), set_info, time.time() - t0)
+    return Calibration(cfg, identity, L, results, choose(results, bounds), set_info, time.time() - t0,
+                       bounds, anchor_kl)
 
 
 def _bar(enabled: bool, total: int):
@@ -515,11 +547,14 @@ def format_table(cal: Calibration) -> str:
                      ",".join(p.builtin), ", ".join(marks.get(i, []))))
     widths = [max(len(h), *(len(r[j]) for r in rows)) for j, h in enumerate(head)]
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()   # noqa: E731
-    b = cal.cfg.bounds
+    b, asked = cal.bounds, cal.cfg.bounds
+    how = (f"{asked.fast:g} / {asked.default:g} / {asked.quality:g} x the built-in default's KL {cal.anchor_kl:.4f}"
+           if asked.relative else "absolute")
     out = [f"{cal.identity.name} ({cal.num_layers} layers, {cal.cfg.dtype}): {len(cal.points)} points x "
            f"{cal.set_info['requests']} requests, {cal.wall_seconds:.0f} s",
            line(head), line(tuple("-" * w for w in widths)), *map(line, rows), "",
-           f"rule: least compute with KL <= fast {b.fast:g} / default {b.default:g} / quality {b.quality:g}"]
+           f"rule: least compute with KL <= fast {b.fast:.4f} / default {b.default:.4f} / quality {b.quality:.4f} "
+           f"({how})"]
     for name in PROFILE_ORDER:
         c = cal.choices[name]
         p = cal.points[c.point]
@@ -550,7 +585,7 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
     from sparsex.arg_types import int_pair, positive_int
     from sparsex.config import DTYPES
     d = CalibrationConfig()
-    b = KLBounds()
+    rel, ab = KLBounds(), ABSOLUTE_BOUNDS
     p = subparsers.add_parser(
         "calibrate", help="measure a model's reuse profiles and write its profile file",
         description="Sweep full_layers, recompute_ratio, selector and rescoring on a calibration set (teacher-"
@@ -587,9 +622,14 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
     g.add_argument("--search", default=d.search, choices=SEARCHES,
                    help="staged: full_layers x ratios with the first selector and rescore value, then each chosen "
                         "point's other selector/rescore variants; full: the whole product")
-    g = p.add_argument_group("rule: least compute with KL(full prefill || reuse) at most")
+    g = p.add_argument_group("rule: per profile, the least compute with KL(full prefill || reuse) at most its bound")
+    g.add_argument("--bounds", default="relative", choices=("relative", "absolute"),
+                   help="relative: each bound is a factor of the KL of the built-in default profile on this model "
+                        "and set; absolute: KL values in nats")
     for name in PROFILE_ORDER:
-        g.add_argument(f"--{name}-kl", type=float, default=getattr(b, name), help=f"the {name} profile's bound")
+        g.add_argument(f"--{name}-bound", type=float, default=None,
+                       help=f"the {name} profile's bound (default: {getattr(rel, name):g} relative, "
+                            f"{getattr(ab, name):g} absolute)")
     p.set_defaults(func=run_calibrate_cli)
     return p
 
@@ -600,7 +640,13 @@ def config_from_args(args: argparse.Namespace) -> CalibrationConfig:
         num_passages=args.num_passages, passage_tokens=tuple(args.passage_tokens), dataset=args.dataset,
         ingest_passes=args.ingest_passes, fidelity_tokens=args.fidelity_tokens, full_layers=tuple(args.full_layers),
         ratios=tuple(args.ratios), selectors=tuple(args.selectors), rescore=tuple(args.rescore), search=args.search,
-        bounds=KLBounds(args.fast_kl, args.default_kl, args.quality_kl), out=args.out, progress=not args.no_progress)
+        bounds=bounds_from_args(args), out=args.out, progress=not args.no_progress)
+
+
+def bounds_from_args(args: argparse.Namespace) -> KLBounds:
+    base = KLBounds() if args.bounds == "relative" else ABSOLUTE_BOUNDS
+    given = {n: getattr(args, f"{n}_bound") for n in PROFILE_ORDER if getattr(args, f"{n}_bound") is not None}
+    return dataclasses.replace(base, **given)
 
 
 def run_calibrate_cli(args: argparse.Namespace) -> int:

@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from sparsex.calibration import (CalibrationConfig, KLBounds, Knobs, PointResult, choose, full_layers_of,
-                                 load_dataset)
+from sparsex.calibration import (ABSOLUTE_BOUNDS, CalibrationConfig, KLBounds, Knobs, PointResult, choose,
+                                 full_layers_of, load_dataset)
 from sparsex.config import REUSE_PROFILES, ReuseConfig
 from sparsex.reuse_profiles import (BUILTIN, PROFILE_DIR_ENV, ModelIdentity, ReuseProfiles, default_profile_path,
                                     find_reuse_profiles, read_profile_file, write_profile_file)
@@ -116,8 +116,12 @@ def test_the_sweep_writes_a_profile_whose_choices_follow_the_rule(calibration, t
         assert 0 < p["compute_share"] < 1 and p["kl"] >= 0 and 0 <= p["top1"] <= 1
         assert len(p["kl_per_request"]) == 2
     assert len({json.dumps(p["knobs"], sort_keys=True) for p in points}) == len(points)
-    # the rule, checked against every point of the file
-    bounds = doc["rule"]["kl_bounds"]
+    # the rule, checked against every point of the file: relative bounds, anchored on the built-in default
+    rule = doc["rule"]
+    [anchor] = [p for p in points if "default" in p["builtin"]]
+    assert rule["bounds"] == "relative" and rule["anchor_kl"] == anchor["kl"]
+    bounds = rule["kl_bounds"]
+    assert bounds == {n: pytest.approx(f * anchor["kl"]) for n, f in rule["factors"].items()}
     for name, chosen in doc["profiles"].items():
         assert chosen["knobs"] == points[chosen["point"]]["knobs"]
         within = [p for p in points if p["kl"] <= bounds[name]]
@@ -257,7 +261,9 @@ def test_bad_calibrate_arguments_exit_2(exit_status, tmp_path):
     for argv, why in ((["--ratios", "0.5,x"], "ratios"), (["--ratios", "0"], "ratios must be"),
                       (["--selectors", "best"], "selectors must be"), (["--rescore", "twice"], "rescore"),
                       (["--full-layers", "L/0"], "full_layers value"), (["--full-layers", "0"], "full_layers value"),
-                      (["--fast-kl", "0.001"], "must nest"), (["--default-kl", "-1"], "must be a number > 0"),
+                      (["--fast-bound", "0.5"], "must nest"), (["--default-bound", "-1"], "factor must be a number > 0"),
+                      (["--bounds", "absolute", "--quality-bound", "0"], "KL bound must be a number > 0"),
+                      (["--bounds", "absolute", "--fast-bound", "0.001"], "must nest"),
                       (["--dataset", str(tmp_path / "missing.jsonl")], "is not a file"),
                       (["--requests", "0"], "requests"), (["--search", "random"], "search"),
                       (["dummy:nope"], "unknown dummy shape")):
@@ -290,11 +296,34 @@ def test_the_rule_takes_the_least_compute_within_each_bound():
     def pt(kl: float, share: float) -> PointResult:
         return PointResult(Knobs(2, share), kl, 1.0, share, 1, [kl], "grid")
     points = [pt(0.02, 0.1), pt(0.008, 0.2), pt(0.004, 0.3), pt(0.004, 0.25), pt(0.003, 0.5)]
-    got = choose(points, KLBounds(fast=0.01, default=0.005, quality=0.0025))
+    got = choose(points, KLBounds(fast=0.01, default=0.005, quality=0.0025, relative=False))
     assert (got["fast"].point, got["default"].point) == (1, 3)
     assert (got["quality"].point, got["quality"].meets_bound) == (4, False)    # none within: the lowest KL
     # brute force: the least compute among the points within each bound
-    for bounds in (KLBounds(0.05, 0.01, 0.004), KLBounds(0.004, 0.004, 0.004)):
+    for bounds in (KLBounds(0.05, 0.01, 0.004, relative=False), KLBounds(0.004, 0.004, 0.004, relative=False)):
         for name, c in choose(points, bounds).items():
             within = [p.compute_share for p in points if p.kl <= getattr(bounds, name)]
             assert c.meets_bound and points[c.point].compute_share == min(within)
+    with pytest.raises(ValueError, match="absolute bounds"):
+        choose(points, KLBounds())
+
+
+@pytest.mark.unit
+def test_relative_bounds_scale_with_the_anchor():
+    """Relative bounds are factors of the built-in default's KL: on a model whose whole curve sits lower,
+    the same factors pick distinct, closer points, where absolute bounds fitted to another model would put
+    every profile on the cheapest point (the saved curve of Qwen2.5-Coder's calibration, rounded)."""
+    def pt(kl: float, share: float) -> PointResult:
+        return PointResult(Knobs(2, share), kl, 1.0, share, 1, [kl], "grid")
+    points = [pt(0.0057, 0.114), pt(0.0049, 0.149), pt(0.0047, 0.202), pt(0.0033, 0.273), pt(0.0031, 0.308),
+              pt(0.0011, 0.519), pt(0.0005, 0.559)]
+    anchor = 0.0033                                               # the built-in default point's KL
+    rel = KLBounds().resolve(anchor)
+    assert not rel.relative and rel.default == pytest.approx(anchor) and rel.quality == pytest.approx(0.56 * anchor)
+    got = {n: points[c.point].compute_share for n, c in choose(points, rel).items()}
+    assert got == {"fast": 0.149, "default": 0.273, "quality": 0.519}
+    absolute = {n: points[c.point].compute_share for n, c in choose(points, ABSOLUTE_BOUNDS).items()}
+    assert set(absolute.values()) == {0.114}
+    assert ABSOLUTE_BOUNDS.resolve(anchor) is ABSOLUTE_BOUNDS
+    with pytest.raises(ValueError, match="anchor KL"):
+        KLBounds().resolve(float("nan"))
