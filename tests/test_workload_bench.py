@@ -190,7 +190,7 @@ def test_rag_end_to_end(tmp_path, engines) -> None:
     for p in pts.values():
         assert (p.compute, p.f1.mean, p.num_requests) == (by[p.policy].compute_share, by[p.policy].f1_minus_none, 2)
         assert p.changed == round((1 - by[p.policy].answer_agreement) * 2)
-    assert floor(str(tmp_path / "rag"), str(tmp_path / "rag")).mean == 0.0
+    assert floor(str(tmp_path / "rag"), str(tmp_path / "rag")).f1.mean == 0.0
     policies = parse_policies(POLICIES)
     cdf = plot_ttft_cdf([RequestRecord(**r) for r in records], policies, str(tmp_path / "again" / "cdf.png"), cfg,
                         summary["environment"])
