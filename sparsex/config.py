@@ -24,6 +24,9 @@ AUTO_RESCORE_LAYERS = 2     # sparse_q's second probe, this many layers below it
 AUTO_RATIO_MIN = 0.0625
 AUTO_RATIO_MAX = 0.25
 AUTO = "auto"
+# quality_target: the bounds the recompute_ratio moves within (engine/ratio_controller.py)
+QUALITY_TARGET_RATIO_MIN = 0.0625
+QUALITY_TARGET_RATIO_MAX = 0.5
 DTYPES = ("auto", "float32", "bfloat16", "float16")    # EngineConfig.dtype's names; parse_dtype also reads fp32, ...
 SEGMENT_EVICTION = ("lru", "frequency")
 STORE_FETCH_MODES = ("auto", "always", "never")
@@ -375,6 +378,8 @@ class EngineConfig:
     quality_sample: float = knob(0.0, "share of blended requests whose served answer is scored against full "
                                       "prefill (teacher-forced KL, top-1) in idle capacity only; 0 = off",
                                  ge=0.0, le=1.0)
+    quality_target: float | None = knob(None, "with quality_sample: move recompute_ratio between 0.0625 and 0.5 "
+                                              "so the monitored KL (nats) stays at most this; unset = a fixed ratio")
     reuse: ReuseConfig | None = dataclasses.field(default=None, metadata={"nested": True})
 
     @classmethod
@@ -403,6 +408,15 @@ class EngineConfig:
                 raise ValueError(f"segment_store must be a redis:// or rediss:// URL, got {self.segment_store!r}")
         if self.quality_sample and self.cache != "sparsex":
             raise ValueError(f"quality_sample scores segment reuse: it needs cache='sparsex', got cache={self.cache!r}")
+        if self.quality_target is not None:
+            q = self.quality_target         # > 0, which no inclusive bound declares
+            if isinstance(q, bool) or not isinstance(q, (int, float)) or not q > 0:
+                raise ValueError(f"quality_target must be a KL > 0 (nats), got {self.quality_target!r}")
+            if not self.quality_sample:
+                raise ValueError("quality_target follows the quality monitor's scores: it needs quality_sample > 0")
+            if self.reuse is not None and self.reuse.recompute_ratio == AUTO:
+                raise ValueError("quality_target moves a fixed recompute_ratio; it cannot be combined with "
+                                 "recompute_ratio='auto'")
         if (self.segment_store is not None or self.host_kv_cache_memory) and self.cache != "sparsex":
             raise ValueError(f"segment_store / host_kv_cache_memory hold segment entries: they need cache='sparsex', "
                              f"got cache={self.cache!r}")

@@ -111,6 +111,9 @@ class ServerMetrics:
         self.waiting = Gauge(_PREFIX + "num_requests_waiting", "Requests waiting to be scheduled.", lbl, registry=r).labels(model_name)
         self.kv_usage = Gauge(_PREFIX + "kv_cache_usage_perc",
                               "Fraction (0-1) of KV blocks held by requests or segment entries.", lbl, registry=r).labels(model_name)
+        self.controlled_ratio = Gauge(_PREFIX + "reuse_recompute_ratio",
+                                      "The recompute_ratio --quality-target holds now for requests without their own.",
+                                      lbl, registry=r).labels(model_name)
         self._counters = {field: Counter(_PREFIX + name, doc, lbl, registry=r).labels(model_name)
                           for field, (name, doc) in _COUNTER_FIELDS.items()}
         self.success = Counter(_PREFIX + "request_success", "Finished requests by finish reason.",
@@ -188,6 +191,8 @@ class ServerMetrics:
         for field, counter in self._counters.items():
             self._add_delta(field, getattr(stats, field), counter.inc)
         self._add_delta("selection_seconds", stats.selection_seconds, self.selection.observe)
+        if stats.controlled_ratio is not None:
+            self.controlled_ratio.set(stats.controlled_ratio)
         store = stats.store
         if store is not None:
             for field, counter in {**self._store_counters, **self._store_decisions}.items():

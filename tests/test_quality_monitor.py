@@ -12,6 +12,7 @@ from sparsex import LLM, SamplingParams
 from sparsex.bench.fidelity import pieces_prompt, reference, run_to_completion, teacher_forced
 from sparsex.config import EngineConfig
 from sparsex.engine.quality_monitor import QualityMonitor
+from sparsex.engine.ratio_controller import LOWER_BELOW, STEP, RatioController
 from sparsex.entrypoints.async_engine import AsyncLLM
 
 KNOBS = dict(cache="sparsex", dtype="float32", seed=0, num_blocks=512, min_blend_tokens=0, transparent_segments=False,
@@ -137,7 +138,9 @@ def test_off_there_is_no_monitor_and_no_scoring(smollm2, passages):
 
 @pytest.mark.model
 def test_the_server_loop_scores_in_idle_time_and_exports_histograms(smollm2, passages):
-    llm = AsyncLLM.from_config(EngineConfig.from_knobs(quality_sample=1.0, **KNOBS))
+    """Also `quality_target`: a target below any blend's KL makes the first score raise the ratio one step,
+    for requests without a ratio or profile of their own, and the gauge shows it."""
+    llm = AsyncLLM.from_config(EngineConfig.from_knobs(quality_sample=1.0, quality_target=1e-9, **KNOBS))
     try:
         eng_tokenize = lambda e: _prompt(e, HEAD, passages)                           # noqa: E731
         other = lambda e: _prompt(e, "Another system prompt, so no prefix hit.\n", passages[::-1])   # noqa: E731
@@ -160,6 +163,12 @@ def test_the_server_loop_scores_in_idle_time_and_exports_histograms(smollm2, pas
         assert sample("sparsex:reuse_quality_sampled_total") == 1.0      # the first request blended nothing
         assert sample("sparsex:reuse_kl_sum") > 0
         assert llm.call_sync(lambda e: (len(e.quality_monitor.pending), e.stats().quality_dropped)) == (0, 0)
+        # quality_target: 0.125 (the default) raised by one step, applied where a request sets no ratio of its own
+        assert sample("sparsex:reuse_recompute_ratio") == 0.125 * STEP
+        planned = llm.call_sync(lambda e: [e._reuse_for(o).recompute_ratio for o in
+                                           (None, {"selector": "kv_deviation"}, {"recompute_ratio": 0.3},
+                                            {"reuse_profile": "fast"})])
+        assert planned == [0.125 * STEP, 0.125 * STEP, 0.3, 0.125]
     finally:
         asyncio.run(llm.shutdown())
 
@@ -179,3 +188,50 @@ def test_the_reuse_config_info_names_the_profile_in_force():
                            "profile_source": "built-in"}
     no_reuse = ServerMetrics("m").render().decode()            # cache="prefix"/"none": no reuse, no info
     assert "reuse_config_info" not in no_reuse
+
+
+@pytest.mark.unit
+def test_the_ratio_controller_holds_the_target_within_its_bounds():
+    c = RatioController(target=0.01, ratio=0.125)
+    assert c.observe(0.02) == 0.125 * STEP and c.num_raised == 1             # above the target: up a step
+    assert c.observe(0.02) == 0.125 * STEP ** 2
+    for _ in range(20):
+        c.observe(0.05)
+    assert c.ratio == c.hi == 0.5                                              # never past the upper bound
+    # the weighted mean, not the last score, decides: one low score after high ones does not lower it
+    c.observe(0.0)
+    assert c.ratio == 0.5 and c.kl_mean > c.target
+    for _ in range(30):
+        c.observe(0.001)                                                       # well below: down to the floor
+    assert c.ratio == c.lo == 0.0625 and c.num_lowered > 0
+    # inside the band (between LOWER_BELOW x target and the target) the ratio holds still
+    held = RatioController(target=0.01, ratio=0.2, kl_mean=0.75 * 0.01)
+    assert LOWER_BELOW * 0.01 < 0.0075 < 0.01
+    assert held.observe(0.0075) == 0.2 and (held.num_raised, held.num_lowered) == (0, 0)
+    assert RatioController(target=0.01, ratio=0.9).ratio == 0.5                 # a start outside: clamped
+    for bad in (dict(target=0.0, ratio=0.1), dict(target=0.01, ratio="auto")):
+        with pytest.raises(ValueError, match="quality_target"):
+            RatioController(**bad)
+    with pytest.raises(ValueError, match="monitored KL"):
+        c.observe(float("nan"))
+
+
+@pytest.mark.unit
+def test_quality_target_needs_the_monitor_and_a_fixed_ratio():
+    with pytest.raises(ValueError, match="needs quality_sample > 0"):
+        EngineConfig(model="dummy:llama-tiny", quality_target=0.01)
+    with pytest.raises(ValueError, match="cannot be combined with recompute_ratio='auto'"):
+        EngineConfig.from_knobs(model="dummy:llama-tiny", quality_sample=0.5, quality_target=0.01,
+                                recompute_ratio="auto")
+    with pytest.raises(ValueError, match="quality_target must be"):
+        EngineConfig(model="dummy:llama-tiny", quality_sample=0.5, quality_target=-1.0)
+    EngineConfig(model="dummy:llama-tiny", quality_sample=0.5, quality_target=0.01)
+
+
+@pytest.mark.unit
+def test_the_ratio_gauge_shows_the_controlled_ratio():
+    from sparsex.engine.llm_engine import EngineStats
+    from sparsex.metrics import ServerMetrics
+    m = ServerMetrics("m")
+    m.on_stats(EngineStats(0, 0, 0.0, 1, 0, 0, controlled_ratio=0.15625))
+    assert 'sparsex:reuse_recompute_ratio{model_name="m"} 0.15625' in m.render().decode()

@@ -18,6 +18,7 @@ from sparsex.cache.block_pool import BlockPool
 from sparsex.cache.kv_cache_manager import KVCacheManager, cdiv
 from sparsex.config import EngineConfig, ReuseConfig
 from sparsex.engine.quality_monitor import QualityMonitor, QualityResult
+from sparsex.engine.ratio_controller import RatioController
 from sparsex.engine.detokenizer import IncrementalDetokenizer
 from sparsex.engine.model_runner import ModelRunner, RequestStepResult
 from sparsex.engine.scheduler import Scheduler, SchedulerOutput
@@ -65,6 +66,7 @@ class EngineStats:
     quality_sampled: int = 0             # quality monitor: blended requests chosen for scoring
     quality_compared: int = 0            # ... scored against full prefill
     quality_dropped: int = 0             # ... never scored (queue overflow, or a request arrived)
+    controlled_ratio: float | None = None     # quality_target: the recompute_ratio in force now
 
 
 class LLMEngine:
@@ -113,6 +115,9 @@ class LLMEngine:
         del loaded
         # engine/quality_monitor.py: scores served answers in idle capacity (EngineConfig: cache="sparsex" only)
         self.quality_monitor = QualityMonitor(config.quality_sample, seed=config.seed) if config.quality_sample else None
+        # engine/ratio_controller.py: the monitor's scores move the ratio of requests without their own
+        self.ratio_controller = (RatioController(config.quality_target, config.reuse.recompute_ratio)
+                                 if config.quality_target is not None else None)
         self._init_cache_state()
         self.warmup_seconds = 0.0
         if config.warmup_enabled:
@@ -185,6 +190,9 @@ class LLMEngine:
         if not self.config.enable_segment_reuse:
             return None
         num_layers = self.model_config.num_hidden_layers
+        c = self.ratio_controller
+        if c is not None and not {"recompute_ratio", "reuse_profile"} & set(overrides or {}):
+            overrides = {**(overrides or {}), "recompute_ratio": c.ratio}
         if not overrides:
             return self.config.reuse.resolved(num_layers)
         table = self.reuse_profiles.table
@@ -451,6 +459,8 @@ class LLMEngine:
         if self.quality_monitor is not None:
             m = self.quality_monitor
             st.quality_sampled, st.quality_compared, st.quality_dropped = m.num_sampled, m.num_compared, m.num_dropped
+        if self.ratio_controller is not None:
+            st.controlled_ratio = self.ratio_controller.ratio
         return st
 
     def run_quality_checks(self, should_yield: Callable[[], bool] = lambda: False) -> list[QualityResult]:
@@ -458,7 +468,11 @@ class LLMEngine:
         is false (engine/quality_monitor.py); [] without a monitor."""
         if self.quality_monitor is None:
             return []
-        return self.quality_monitor.run_pending(self, should_yield)
+        results = self.quality_monitor.run_pending(self, should_yield)
+        if self.ratio_controller is not None:
+            for r in results:
+                self.ratio_controller.observe(r.kl)
+        return results
 
     def check_integrity(self) -> None:
         """Raise unless every block's refcount equals its holders (requests + segment entries)."""
