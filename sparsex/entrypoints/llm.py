@@ -32,7 +32,8 @@ class LLM:
       segment reuse: reuse_profile ("fast" | "default" | "quality"), or recompute_ratio, full_layers,
           selector (explicit knobs win over the profile)
       quality_sample: share of blended requests whose answers are scored against full prefill after each
-          `generate` call (llm_engine.quality_monitor.results)
+          `generate` call (llm_engine.quality_monitor.results); quality_target: a KL those scores hold by
+          moving recompute_ratio (llm_engine.ratio_controller.ratio)
       reuse_profile_file: the profiles' knobs from this `sparsex calibrate` file; unset = the model's
           calibrated file in the profile dir if there is one, else the built-in profiles; "none" = built-in
           (sparsex/reuse_profiles.py; `self.reuse_profiles` says which table is in force)
