@@ -88,11 +88,23 @@ def floor(run: str, reference: str) -> Floor:
                  sum(a[i]["answer"] != b[i]["answer"] for i in idx), len(idx))
 
 
+def _short(policy: str) -> str:
+    return policy.replace(":rescore_layers=auto", "").replace(":min_blend_tokens=256", "")
+
+
+def _knobs(policy: str) -> str:
+    """`selector:F:r...` -> "F=4, r=0.125"; "" for a named policy."""
+    parts = policy.split(":")
+    return f"F={parts[1]}, r={parts[2]}" if len(parts) >= 3 and parts[1].isdigit() else ""
+
+
 def _name(p: Point, labels: dict[str, str]) -> str:
+    """A labelled rule's name with its full layers and ratio; otherwise its spec."""
     for spec, name in labels.items():
         if p.policy == spec or p.policy.startswith(spec + ":"):
-            return name
-    return p.policy.replace(":rescore_layers=auto", "").replace(":min_blend_tokens=256", "")
+            knobs = _knobs(p.policy)
+            return f"{name} ({knobs})" if knobs else name
+    return _short(p.policy)
 
 
 def table(pts: list[Point], band: Floor | None, labels: dict[str, str]) -> str:
@@ -109,22 +121,29 @@ def table(pts: list[Point], band: Floor | None, labels: dict[str, str]) -> str:
 
 
 def plot(pts: list[Point], band: Floor | None, labels: dict[str, str], path: str) -> None:
+    """Labelled rules in colour, each its own legend entry; the others small and grey, annotated."""
     from sparsex.bench.pyplot import pyplot
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 5))
     if band is not None:
-        ax.axhspan(band.f1.low, band.f1.high, color="0.85", label="bf16 full prefill (rounding), 95% CI")
+        ax.axhspan(band.f1.low, band.f1.high, color="0.88", label="bf16 full prefill (rounding), 95% CI")
         ax.axhline(band.f1.mean, color="0.6", lw=1)
     ax.axhline(0.0, color="k", lw=0.8)
+    markers = "osD^vP*Xh<>p"
+    named = [p for p in pts if _name(p, labels) != _short(p.policy)]
     for p in pts:
-        named = _name(p, labels) != p.policy.replace(":rescore_layers=auto", "").replace(":min_blend_tokens=256", "")
+        if p in named:
+            continue
         ax.errorbar([100 * p.compute], [p.f1.mean], yerr=[[p.f1.mean - p.f1.low], [p.f1.high - p.f1.mean]],
-                    fmt="s" if named else "o", ms=7 if named else 5, capsize=3)
-        ax.annotate(_name(p, labels), (100 * p.compute, p.f1.mean), fontsize=7 if named else 6,
-                    fontweight="bold" if named else "normal", xytext=(4, 3), textcoords="offset points")
+                    fmt="o", ms=4, color="0.55", capsize=2, lw=0.8)
+        ax.annotate(_short(p.policy), (100 * p.compute, p.f1.mean), fontsize=6, color="0.4",
+                    xytext=(4, 3), textcoords="offset points")
+    for i, p in enumerate(sorted(named, key=lambda p: p.compute)):
+        ax.errorbar([100 * p.compute], [p.f1.mean], yerr=[[p.f1.mean - p.f1.low], [p.f1.high - p.f1.mean]],
+                    fmt=markers[i % len(markers)], ms=7, capsize=3, label=f"{_name(p, labels)}: {p.compute:.0%}")
     ax.set_xlabel("compute, % of full prefill's token-layers")
     ax.set_ylabel("answer token F1 − full prefill's (paired)")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)

@@ -2,6 +2,7 @@
 runs in the workload bench's file layout (test_workload_bench.py::test_rag_end_to_end reads a real run)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -44,6 +45,9 @@ def test_points_are_the_rules_of_the_run_summary(tmp_path):
     # a label names the rule (its spec, or the spec before its ':' options)
     assert "| the fast one | 20.0%" in table([p], None, {"fast": "the fast one"})
     assert "| fast | 20.0%" in table([p], None, {"fas": "no prefix match"})
+    q = dataclasses.replace(p, policy="kv_deviation:2:0.25:min_blend_tokens=256")
+    assert "| CacheBlend (F=2, r=0.25) |" in table([q], None, {"kv_deviation": "CacheBlend"})
+    assert "| kv_deviation:2:0.25 |" in table([q], None, {})
 
 
 def test_the_floor_pairs_another_full_prefill_with_the_first_run(tmp_path):

@@ -97,10 +97,10 @@ def test_every_cache_policy_runs(cache, cpu_greedy):
 def test_cuda_selection_scores_equal_the_torch_selectors(cpu_greedy, rescore_layers, monkeypatch):
     """A blended step's CUDA scores (triton_probe: the deviation before the layer's K/V store, the query
     mass from the paged cache after it) equal the torch selectors' on the same step's tensors, at
-    both stages of a two-stage selection."""
+    both stages of a two-stage selection (two full layers: the probes at layers 1 and 3)."""
     from sparsex.segment import selectors
     from sparsex.segment.step_blend import StepBlend
-    llm = LLM(device="cuda", dtype="float32", cache="sparsex", seed=0, kv_cache_memory=1 << 28)
+    llm = LLM(device="cuda", dtype="float32", cache="sparsex", seed=0, kv_cache_memory=1 << 28, full_layers=2)
     long = cpu_greedy["cases"][-1]["prompt_token_ids"]
     sys_ids, question = long[:24], long[-40:]
     passages = [long[24 + i * 160: 24 + (i + 1) * 160] for i in range(6)]
