@@ -393,7 +393,7 @@ def short_answer(msg: AIMessage) -> str:
     if msg.tool_calls:
         return "; ".join(f"{c['name']}({', '.join(f'{k}={v!r}' for k, v in c['args'].items())})" for c in msg.tool_calls)
     text = msg.content if isinstance(msg.content, str) else json.dumps(msg.content)
-    return "text: " + json.dumps(text[:40])[1:-1].replace("|", "\\|").replace("`", "'")
+    return "text: " + text[:40].replace("\n", "\\n").replace("|", "\\|").replace("`", "'")
 
 
 def bootstrap_median(xs: list[float], n: int = 10000, seed: int = 0) -> tuple[float, float]:
