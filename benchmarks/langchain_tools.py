@@ -9,6 +9,9 @@ LangChain is not a SparseX dependency; run it from any environment that has it:
     .venv/bin/sparsex serve qwen2.5-coder-0.5b-instruct --port 8765 --dtype float32 --max-model-len 2048 &
     python3 -m venv /tmp/lc && /tmp/lc/bin/pip install langchain langchain-openai
     /tmp/lc/bin/python benchmarks/langchain_tools.py --base-url http://127.0.0.1:8765/v1 --model qwen2.5-coder-0.5b-instruct
+
+A whole agent loop (`create_agent` over a BFCL multi-turn trace, with TTFT against `--cache none`) is
+benchmarks/langchain_agent.py.
 """
 from __future__ import annotations
 
