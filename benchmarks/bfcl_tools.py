@@ -72,6 +72,7 @@ from typing import Any, Callable
 import httpx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)        # this checkout's sparsex, in this process as in the server it starts
 
 # the issue's category names -> BFCL v4's
 CATEGORIES = {"simple": "simple_python", "multiple": "multiple", "parallel": "parallel"}
