@@ -351,7 +351,8 @@ class SparseXClient:
         self.max_tokens = max_tokens
 
     def prompt_ids(self, ex: Example) -> list[int]:
-        r = httpx.post(self.base_url + "/tokenize", timeout=300, headers={"Authorization": f"Bearer {self.client.api_key}"},
+        r = httpx.post(self.base_url + "/tokenize", timeout=300,
+                       headers={"Authorization": f"Bearer {self.client.api_key}"},
                        json={"model": self.model, "messages": ex.messages, "tools": ex.tools})
         r.raise_for_status()
         return r.json()["tokens"]
@@ -391,7 +392,8 @@ class HFRunner:
         self.ref = load_hf_reference(model_dir, dtype)
         self.parser = resolve_parser(parser_name, self.tokenizer.chat_template)
         if self.parser is None:
-            raise ValueError(f"{model}'s chat template has no tool-call convention SparseX knows: pass --tool-call-parser")
+            raise ValueError(f"{model}'s chat template has no tool-call convention SparseX knows: "
+                             "pass --tool-call-parser")
         self.eos = self.ref.model.generation_config.eos_token_id or self.ref.model.config.eos_token_id
         self.max_tokens = max_tokens
 
@@ -555,8 +557,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the server and of transformers, each")
     ap.add_argument("--cache", choices=("none", "prefix", "sparsex"), default="none")
     ap.add_argument("--max-tokens", type=int, default=384)
-    ap.add_argument("--tool-call-parser", default=None, help="the transformers side's parser (default: from the template)")
-    ap.add_argument("--base-url", default=None, help="a running `sparsex serve` (http://host:port) instead of starting one")
+    ap.add_argument("--tool-call-parser", default=None,
+                    help="the transformers side's parser (default: from the template)")
+    ap.add_argument("--base-url", default=None,
+                    help="a running `sparsex serve` (http://host:port) instead of starting one")
     ap.add_argument("--sequential", action="store_true", help="transformers after the server, not at the same time")
     ap.add_argument("--required-concurrency", type=int, default=2,
                     help="tool_choice=required requests in flight at once (auto requests go one at a time)")
@@ -607,7 +611,8 @@ def main(argv: list[str] | None = None) -> None:
         hf_ids, ans = ref[ex.id]
         div = first_divergence(a, ans)
         records.append(Record(ex, ans, a, required[ex.id], sx_ids == hf_ids, same_calls(a, ans), div is None, div,
-                              margin_gap(a, ans), {"auto": lenient_correct(bfcl, ex, a), "transformers": lenient_correct(bfcl, ex, ans)}))
+                              margin_gap(a, ans), {"auto": lenient_correct(bfcl, ex, a),
+                                                   "transformers": lenient_correct(bfcl, ex, ans)}))
     rows = [summarize(c, [r for r in records if r.example.category == c]) for c in args.categories]
     if len(rows) > 1:
         rows.append(summarize("all", records))
@@ -640,7 +645,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in diverged:
         d = r.divergence
         fmt = lambda m: "n/a" if m is None else f"{m:.4f}"               # noqa: E731
-        print(f"  {r.example.id}: token {d['index']}: sparsex {d['sparsex_token']!r} (margin {fmt(d['sparsex_margin'])})"
+        print(f"  {r.example.id}: token {d['index']}: sparsex {d['sparsex_token']!r} "
+              f"(margin {fmt(d['sparsex_margin'])})"
               f" vs transformers {d['transformers_token']!r} (margin {fmt(d['transformers_margin'])}); "
               f"calls {'same' if r.same_calls else 'differ'}, correct sparsex {r.auto.correct} / "
               f"transformers {r.transformers.correct}")

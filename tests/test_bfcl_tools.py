@@ -53,7 +53,8 @@ def test_function_doc_becomes_the_openai_tool(bfcl, velocity):
                                  "description": "Initial velocity of the object. Default is 0, m/s This is a float "
                                               "type value."}},
             "required": ["acceleration", "distance"]}}}]
-    assert to_tools(bfcl, velocity.functions)[0]["function"]["parameters"] == velocity.tools[0]["function"]["parameters"]
+    params = velocity.tools[0]["function"]["parameters"]
+    assert to_tools(bfcl, velocity.functions)[0]["function"]["parameters"] == params
 
 
 def _types(schema):
