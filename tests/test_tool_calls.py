@@ -321,3 +321,31 @@ def test_server_without_a_convention_asks_for_the_flag(servers):
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
     # the engine keeps serving after the 400s
     assert httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=300).status_code == 200
+
+
+@pytest.mark.model
+def test_tokenize_renders_tools_as_chat_does():
+    """POST /tokenize with messages and tools: the very prompt the chat route builds for that body
+    (the template's tool block included), so a client can count or compare a tool request's prompt."""
+    from sparsex.config import EngineConfig
+    from sparsex.entrypoints.async_engine import AsyncLLM
+    from sparsex.entrypoints.background_server import BackgroundServer
+    from sparsex.entrypoints.openai_server import build_app
+    from sparsex.entrypoints.settings import ServerSettings
+
+    _tokenizer("qwen2.5-coder-0.5b-instruct")                 # skips when the optional model is not installed
+    llm = AsyncLLM.from_config(EngineConfig(model="qwen2.5-coder-0.5b-instruct", cache="none", max_model_len=1024,
+                                            num_blocks=16))
+    srv = BackgroundServer(build_app(llm, ServerSettings()))
+    try:
+        messages = [{"role": "user", "content": "What's the weather in Oslo?"}]
+        got = httpx.post(srv.url + "/tokenize", json={"messages": messages, "tools": [WEATHER]}, timeout=300).json()
+        plain = httpx.post(srv.url + "/tokenize", json={"messages": messages}, timeout=300).json()
+        ref = llm.call_sync(lambda e: e.chat_to_prompt(messages, True, None, [WEATHER]))
+        assert got["tokens"] == ref.token_ids and got["count"] > plain["count"]
+        chat = httpx.post(srv.url + "/v1/chat/completions", timeout=300, json={
+            "messages": messages, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 1}).json()
+        assert chat["usage"]["prompt_tokens"] == got["count"]
+    finally:
+        srv.stop()
+    assert llm.error is None

@@ -94,8 +94,8 @@ def build_app(async_engine: AsyncLLM, settings: ServerSettings | None = None) ->
         if body.messages is not None:
             if not body.messages:
                 raise bad_request("messages must be a non-empty list", param="messages")
-            messages, add_gen = [m.to_template() for m in body.messages], body.add_generation_prompt
-            source: Any = lambda engine: engine.chat_to_prompt(messages, add_gen)  # noqa: E731
+            messages, add_gen, tools = [m.to_template() for m in body.messages], body.add_generation_prompt, body.tools
+            source: Any = lambda engine: engine.chat_to_prompt(messages, add_gen, None, tools)  # noqa: E731
         elif body.segments is not None:
             source = {"segments": segment_pieces(body.segments)[0]}
         else:

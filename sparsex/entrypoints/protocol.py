@@ -205,6 +205,7 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None           # with messages: rendered by the chat template, as in chat
     segments: list[str | list[int] | SegmentPart] | None = None
     add_generation_prompt: bool = True
 
