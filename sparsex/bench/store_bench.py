@@ -31,7 +31,8 @@ The Redis server is local (loopback), started here and stopped by its pid, with 
 bulk-string limits raised to 4 GB so that a segment of the 8B shape (1 GB at 8k tokens) fits in one
 value. The Mooncake rows (`--mooncake`, on by default where the wheel is installed) use a local
 mooncake_master (`bench/mooncake_server.py`, its HTTP metadata server, TCP on loopback) and the bench's
-own client, which mounts a segment of 4 records of the largest size; its index is the same Redis. Then the fetch policy (`FetchPolicy`, mode auto) is given what an engine would have measured
+own client, which mounts a segment of `--repeats` + 3 records of the largest size (Mooncake's default
+10 s lease keeps superseded payloads that long); its index is the same Redis. Then the fetch policy (`FetchPolicy`, mode auto) is given what an engine would have measured
 by then (every recompute above as a plain prefill; the tier's round-trip latency from 5 small reads
 and its bandwidth from the fetches above; decode + install of those fetches) and asked, per size,
 whether it would fetch the segment or recompute it.
@@ -272,9 +273,11 @@ def run_store_bench(cfg: StoreBenchConfig) -> dict:
         if use_mooncake:
             from sparsex.bench.mooncake_server import MooncakeMaster
             from sparsex.kvstore.mooncake_tier import MooncakeTier
-            master = MooncakeMaster().start()
+            # Mooncake's default 10 s lease: a read must finish within the lease the master grants it (a 189 MB
+            # record took over 0.5 s here), and superseded payloads wait for it, so the segment holds every run's
+            master = MooncakeMaster(lease_ms=10_000).start()
             top_value = bpt * top + (1 << 20)
-            mc_tier = MooncakeTier(master.url(segment=4 * top_value + (64 << 20), timeout=60), index_url=server.url(),
+            mc_tier = MooncakeTier(master.url(segment=(runs + 2) * top_value + (64 << 20), timeout=60), index_url=server.url(),
                                    pin=cfg.device == "cuda", max_pending_bytes=2 * top_value)
             for _ in range(_SMALL_READS):
                 mc_tier.get_many(["sparsex:bench:absent"])

@@ -69,6 +69,7 @@ DEFAULT_TIMEOUT_S = 1.0
 # Mooncake's error codes (negative returns of the client's calls) that mean something here
 _OBJECT_NOT_FOUND = -704
 _OBJECT_HAS_LEASE = -706
+_LEASE_EXPIRED = -707                        # a read slower than the lease the master granted it
 
 _SMALL_READ_BYTES = 16 << 10                 # a read that moved less: a latency sample
 _MIN_TRANSFER_BPS = 100e6                    # a transfer's deadline: timeout + bytes at this rate
@@ -465,6 +466,9 @@ class MooncakeTier:
             else:
                 read = True
                 failed = [rc for rc in rcs if rc < 0 and rc != _OBJECT_NOT_FOUND]
+                if _LEASE_EXPIRED in failed:                        # the store was slower than its own lease
+                    with self._lock:
+                        self._c["timeouts"] += 1
                 self._last_payloads = {keys[i]: e["p"] for i, e in wanted}
                 for (i, e), off, rc in zip(wanted, offsets, rcs):
                     if rc == _OBJECT_NOT_FOUND:
