@@ -6,6 +6,8 @@ embedded HTTP metadata server and its admin/metrics server, stopped by its pid (
         master.kill()          # a crash (SIGKILL): every object it indexed is gone with it
         master.start()         # the same ports again, empty
         master.pause()         # SIGSTOP: a hung master (calls block); resume() with SIGCONT
+    with SegmentHolder(master, 1 << 30):     # another process lends the store 1 GiB: a client with
+        ...                                  # segment=0 then moves every payload over the transport
 
 The master holds only the object metadata: the bytes live in the segments that clients mount
 (`segment=` of a mooncake:// url). The binary ships inside the `mooncake-transfer-engine-non-cuda`
@@ -20,6 +22,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -178,3 +181,53 @@ class MooncakeMaster:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_HOLDER = """
+import sys, time
+from sparsex.kvstore.mooncake_tier import _store_module
+client = _store_module().MooncakeDistributedStore()
+rc = client.setup("127.0.0.1", sys.argv[1], int(sys.argv[3]), 16 << 20, "tcp", "", sys.argv[2])
+print("ready" if rc == 0 else f"setup failed {rc}", flush=True)
+while rc == 0:
+    time.sleep(3600)
+"""
+
+
+class SegmentHolder:
+    """A process of its own whose Mooncake client lends the store `nbytes` of memory and does nothing
+    else: what a replica on another host is to this one (its payloads cross the TCP transport, not a
+    same-process copy). Stopped by its pid."""
+
+    def __init__(self, master: MooncakeMaster, nbytes: int, start_timeout_s: float = 30.0):
+        self.master, self.nbytes, self.start_timeout_s = master, nbytes, start_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "SegmentHolder":
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen([sys.executable, "-c", _HOLDER, self.master.metadata_url, self.master.address,
+                                      str(self.nbytes)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, env=env)
+        deadline = time.monotonic() + self.start_timeout_s
+        line = ""
+        while time.monotonic() < deadline and self.proc.poll() is None and not line:
+            line = self.proc.stdout.readline().decode().strip()
+        if line != "ready":
+            self.stop()
+            raise RuntimeError(f"the segment holder did not start: {line or 'no answer'}")
+        return self
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+            proc.stdout.close()
+
+    def __enter__(self) -> "SegmentHolder":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

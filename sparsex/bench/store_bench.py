@@ -30,9 +30,11 @@ timed step ends with a device synchronisation, and the host tier is pinned as th
 The Redis server is local (loopback), started here and stopped by its pid, with its request and
 bulk-string limits raised to 4 GB so that a segment of the 8B shape (1 GB at 8k tokens) fits in one
 value. The Mooncake rows (`--mooncake`, on by default where the wheel is installed) use a local
-mooncake_master (`bench/mooncake_server.py`, its HTTP metadata server, TCP on loopback) and the bench's
-own client, which mounts a segment of `--repeats` + 3 records of the largest size (Mooncake's default
-10 s lease keeps superseded payloads that long); its index is the same Redis. Then the fetch policy (`FetchPolicy`, mode auto) is given what an engine would have measured
+mooncake_master (`bench/mooncake_server.py`, its HTTP metadata server) and a second process that lends
+the store its memory (`SegmentHolder`: `--repeats` + 3 records of the largest size, since Mooncake's
+default 10 s lease keeps superseded payloads that long), as a replica on another host would; the bench's
+own client lends none, so every payload crosses the TCP transport (loopback). Its index is the same
+Redis. Then the fetch policy (`FetchPolicy`, mode auto) is given what an engine would have measured
 by then (every recompute above as a plain prefill; the tier's round-trip latency from 5 small reads
 and its bandwidth from the fetches above; decode + install of those fetches) and asked, per size,
 whether it would fetch the segment or recompute it.
@@ -262,7 +264,7 @@ def run_store_bench(cfg: StoreBenchConfig) -> dict:
                                                               "--client-query-buffer-limit", "4gb"))
     server.start()
     use_mooncake = cfg.mooncake if cfg.mooncake is not None else mooncake_unavailable() is None
-    master = mc_tier = None
+    master = holder = mc_tier = None
     try:
         # the writer queue must hold the largest value (an 8k-token Llama-3-8B-shaped record is ~1 GB, past
         # the engine's 256 MiB default) and a socket read must outlast its transfer
@@ -271,13 +273,14 @@ def run_store_bench(cfg: StoreBenchConfig) -> dict:
             tier.get_many(["sparsex:bench:absent"])
         admin = server.client()
         if use_mooncake:
-            from sparsex.bench.mooncake_server import MooncakeMaster
+            from sparsex.bench.mooncake_server import MooncakeMaster, SegmentHolder
             from sparsex.kvstore.mooncake_tier import MooncakeTier
             # Mooncake's default 10 s lease: a read must finish within the lease the master grants it (a 189 MB
             # record took over 0.5 s here), and superseded payloads wait for it, so the segment holds every run's
             master = MooncakeMaster(lease_ms=10_000).start()
             top_value = bpt * top + (1 << 20)
-            mc_tier = MooncakeTier(master.url(segment=(runs + 2) * top_value + (64 << 20), timeout=60), index_url=server.url(),
+            holder = SegmentHolder(master, (runs + 2) * top_value + (64 << 20)).start()
+            mc_tier = MooncakeTier(master.url(segment=0, timeout=60), index_url=server.url(),
                                    pin=cfg.device == "cuda", max_pending_bytes=2 * top_value)
             for _ in range(_SMALL_READS):
                 mc_tier.get_many(["sparsex:bench:absent"])
@@ -375,6 +378,8 @@ def run_store_bench(cfg: StoreBenchConfig) -> dict:
     finally:
         if mc_tier is not None:
             mc_tier.close()
+        if holder is not None:
+            holder.stop()
         if master is not None:
             master.close()                              # by its pid, then its temp dir
         server.close()                                  # SIGTERM to its pid, then its temp dir
@@ -443,7 +448,8 @@ def markdown(results: dict[int, SizeResult], cfg: StoreBenchConfig, env: dict) -
              f"({env.get('bytes_per_token'):,} B of KV per token); "
              f"{env.get('started', '')[:10]}, `{env.get('commit')}`; {env.get('wall_seconds')} s wall. Median of "
              f"{cfg.repeats} runs after one unmeasured; a local redis-server (loopback) started by the bench"
-             + ("; a local mooncake_master (TCP on loopback, its index in that Redis)." if mooncake else "."),
+             + ("; a local mooncake_master, the payloads in another process's segment (TCP on loopback), "
+                "their index in that Redis." if mooncake else "."),
              "", f"    {cfg.command or 'sparsex bench store'}", ""]
     head = ["tokens", "MB", "operation", "ms", "MB/s", "µs/token", "/ recompute"]
     rows = []
