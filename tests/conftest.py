@@ -301,3 +301,20 @@ def redis_server():
         pytest.skip("redis-server not installed (make install installs it from Debian)")
     with rs.RedisServer() as server:
         yield server
+
+
+@pytest.fixture
+def mooncake_master():
+    """A real mooncake_master of this test's own (loopback, free ports, its embedded HTTP metadata server;
+    sparsex/bench/mooncake_server.py), stopped after it. Skips, saying why, where the Mooncake wheel or
+    the Debian libraries it links are not installed (`make install` installs both)."""
+    from sparsex.bench import mooncake_server as ms
+    from sparsex.kvstore.mooncake_tier import import_error
+    if not ms.available():
+        pytest.skip("mooncake_master not installed: the mooncake-transfer-engine-non-cuda wheel is missing "
+                    "(make install installs it)")
+    reason = import_error()
+    if reason is not None:
+        pytest.skip(reason)
+    with ms.MooncakeMaster() as master:
+        yield master

@@ -11,6 +11,7 @@ import pytest
 
 from sparsex import cli
 from sparsex.bench import redis_server as rs
+from sparsex.bench.store_bench import mooncake_unavailable
 from sparsex.models import packaged_gguf
 
 needs_smollm2 = pytest.mark.skipif(
@@ -68,6 +69,8 @@ def test_replica_bench_tiny(tmp_path: Path, capsys: pytest.CaptureFixture, keep_
 @needs_smollm2
 @needs_redis
 def test_store_bench_tiny(tmp_path: Path, capsys: pytest.CaptureFixture, keep_threads) -> None:
+    """The Mooncake rows come along where the wheel is installed (the bench's default)."""
+    mooncake = mooncake_unavailable() is None
     assert cli.main(["bench", "store", "--sizes", "64", "--repeats", "1", "--dtype", "float32", "--threads", "2", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     result = json.loads((tmp_path / "store.json").read_text())
@@ -85,7 +88,13 @@ def test_store_bench_tiny(tmp_path: Path, capsys: pytest.CaptureFixture, keep_th
     ops = [r for r in _table_rows(md) if len(r) == 7 and r[3] not in ("fetch", "recompute")]    # not the policy's
     assert [r[2] for r in ops] == ["recompute (prefill, cache none)", "host spill (device → record)",
                                    "host install (record → blocks)", "Redis encode + SET",
-                                   "Redis GET + decode + install"]
+                                   "Redis GET + decode + install"] + (
+        ["Mooncake encode_into + put_from + index", "Mooncake lookup + batch_get_into + decode + install"]
+        if mooncake else [])
+    if mooncake:
+        for op in ("mooncake_put", "mooncake_fetch", "mc_get", "mc_decode", "mc_install"):
+            assert len(size["samples"][op]) == 1 and size["ms"][op] > 0, op
+        assert size["mooncake_decision"] in ("fetch", "recompute") and size["mooncake_est_fetch_ms"] > 0
 
 
 @pytest.mark.unit

@@ -20,11 +20,21 @@ timed step ends with a device synchronisation, and the host tier is pinned as th
   Redis SET     `record.encode` + `RedisTier.put` (a SET, sent by the tier's writer thread) until
                 the write is done (`RedisTier.flush`);
   Redis fetch   `RedisTier.get_many` (one MGET) + `record.decode` (checksum verified) + install: what
-                a replica that misses locally pays on the TTFT path.
+                a replica that misses locally pays on the TTFT path;
+  Mooncake put  `MooncakeTier.put_record`: the record encoded straight into the tier's registered
+                write buffer, `put_from` into the store, the Redis index entry written, until done;
+  Mooncake fetch `MooncakeTier.get_many` (one index MGET + one `batch_get_into` into the registered read
+                buffer) + `record.decode(copy=False)` (checksum verified, the K/V a view of the buffer)
+                + install (one copy into the blocks).
 
 The Redis server is local (loopback), started here and stopped by its pid, with its request and
 bulk-string limits raised to 4 GB so that a segment of the 8B shape (1 GB at 8k tokens) fits in one
-value. Then the fetch policy (`FetchPolicy`, mode auto) is given what an engine would have measured
+value. The Mooncake rows (`--mooncake`, on by default where the wheel is installed) use a local
+mooncake_master (`bench/mooncake_server.py`, its HTTP metadata server) and a second process that lends
+the store its memory (`SegmentHolder`: `--repeats` + 3 records of the largest size, since Mooncake's
+default 10 s lease keeps superseded payloads that long), as a replica on another host would; the bench's
+own client lends none, so every payload crosses the TCP transport (loopback). Its index is the same
+Redis. Then the fetch policy (`FetchPolicy`, mode auto) is given what an engine would have measured
 by then (every recompute above as a plain prefill; the tier's round-trip latency from 5 small reads
 and its bandwidth from the fetches above; decode + install of those fetches) and asked, per size,
 whether it would fetch the segment or recompute it.
@@ -62,6 +72,7 @@ class StoreBenchConfig:
     sizes: tuple[int, ...] = DEFAULT_SIZES
     repeats: int = 5
     redis_server: str | None = None      # redis-server binary; default: on PATH or in /usr/bin, /usr/sbin
+    mooncake: bool | None = None         # the Mooncake rows; None: where the wheel is installed
     out: str = "store_bench_out"
     command: str | None = None
 
@@ -84,6 +95,19 @@ class StoreBenchConfig:
             if not rs.available():
                 raise ValueError("redis-server not found on PATH or in /usr/bin, /usr/sbin: install it "
                                  "(make install) or pass --redis-server PATH")
+        if self.mooncake:
+            reason = mooncake_unavailable()
+            if reason is not None:
+                raise ValueError(f"--mooncake: {reason}")
+
+
+def mooncake_unavailable() -> str | None:
+    """Why the Mooncake rows cannot run here (None: they can)."""
+    from sparsex.bench import mooncake_server
+    if not mooncake_server.available():
+        return "mooncake_master not installed (the mooncake-transfer-engine-non-cuda wheel; make install)"
+    from sparsex.kvstore.mooncake_tier import import_error
+    return import_error()
 
 
 @dataclass
@@ -97,6 +121,8 @@ class SizeResult:
     est_recompute_ms: float | None = None
     decision: str = ""                   # fetch | recompute
     reason: str = ""
+    mooncake_est_fetch_ms: float | None = None
+    mooncake_decision: str = ""          # what the policy decides with the Mooncake tier's estimates
 
 
 # ops, in table order: (key, label, bytes moved: "kv" record or "value" serialized)
@@ -105,7 +131,10 @@ OPS = (("recompute", "recompute (prefill, cache none)", None),
        ("host_install", "host install (record → blocks)", "kv"),
        ("redis_set", "Redis encode + SET", "value"),
        ("redis_fetch", "Redis GET + decode + install", "value"))
+MOONCAKE_OPS = (("mooncake_put", "Mooncake encode_into + put_from + index", "value"),
+                ("mooncake_fetch", "Mooncake lookup + batch_get_into + decode + install", "value"))
 PARTS = ("encode", "set", "get", "decode", "install")     # the Redis ops' pieces (store.json, third table)
+MOONCAKE_PARTS = ("mc_get", "mc_decode", "mc_install")    # the Mooncake fetch's pieces
 
 
 def _engine(cfg: StoreBenchConfig, cache: str, num_blocks: int, host_bytes: int = 0) -> LLMEngine:
@@ -139,6 +168,48 @@ def _sync(cfg: StoreBenchConfig) -> None:
     if cfg.device == "cuda":
         import torch
         torch.cuda.synchronize()
+
+
+def _mooncake_runs(cfg: StoreBenchConfig, tier, store, sx, record, entry, key: str, runs: int,
+                   s: dict[str, list[float]]):
+    """put_record until indexed, then get_many + decode(copy=False) + install, `runs` times each (the first
+    not measured); returns the installed entry."""
+    from sparsex.kvstore.record import decode
+    for op in ("mooncake_put", "mooncake_fetch", *MOONCAKE_PARTS):
+        s[op] = []
+    before = tier.stats()
+    for r in range(runs):
+        t0 = time.perf_counter()
+        tier.put_record(key, record, only_if_absent=False)
+        if not tier.flush(120.0):
+            raise RuntimeError(f"the {record.num_tokens}-token Mooncake put did not complete in 120 s")
+        if r:
+            s["mooncake_put"].append(time.perf_counter() - t0)
+    for r in range(runs):
+        sx.segment_index.remove(entry)
+        _sync(cfg)
+        t0 = time.perf_counter()
+        got = tier.get_many([key])[0]
+        t1 = time.perf_counter()
+        if got is None:
+            raise RuntimeError(f"the {record.num_tokens}-token record is not in the Mooncake store: {tier.stats()}")
+        fetched = decode(got, None, copy=False)
+        t2 = time.perf_counter()
+        entry = store.install(fetched, sx.segment_index)
+        _sync(cfg)
+        t3 = time.perf_counter()
+        if entry is None:
+            raise RuntimeError(f"no room in the pool to install the {record.num_tokens}-token record")
+        if r:
+            s["mc_get"].append(t1 - t0)
+            s["mc_decode"].append(t2 - t1)
+            s["mc_install"].append(t3 - t2)
+            s["mooncake_fetch"].append(t3 - t0)
+        del got, fetched
+    after = tier.stats()
+    if after.errors > before.errors or after.writes_dropped > before.writes_dropped:
+        raise RuntimeError(f"the Mooncake tier failed at {record.num_tokens} tokens: {after}")
+    return entry
 
 
 def _median_ms(xs: list[float]) -> float:
@@ -192,6 +263,8 @@ def run_store_bench(cfg: StoreBenchConfig) -> dict:
     server = rs.RedisServer(exe=cfg.redis_server, extra_args=("--proto-max-bulk-len", "4gb",
                                                               "--client-query-buffer-limit", "4gb"))
     server.start()
+    use_mooncake = cfg.mooncake if cfg.mooncake is not None else mooncake_unavailable() is None
+    master = holder = mc_tier = None
     try:
         # the writer queue must hold the largest value (an 8k-token Llama-3-8B-shaped record is ~1 GB, past
         # the engine's 256 MiB default) and a socket read must outlast its transfer
@@ -199,6 +272,18 @@ def run_store_bench(cfg: StoreBenchConfig) -> dict:
         for _ in range(_SMALL_READS):                   # round-trip latency samples (misses)
             tier.get_many(["sparsex:bench:absent"])
         admin = server.client()
+        if use_mooncake:
+            from sparsex.bench.mooncake_server import MooncakeMaster, SegmentHolder
+            from sparsex.kvstore.mooncake_tier import MooncakeTier
+            # Mooncake's default 10 s lease: a read must finish within the lease the master grants it (a 189 MB
+            # record took over 0.5 s here), and superseded payloads wait for it, so the segment holds every run's
+            master = MooncakeMaster(lease_ms=10_000).start()
+            top_value = bpt * top + (1 << 20)
+            holder = SegmentHolder(master, (runs + 2) * top_value + (64 << 20)).start()
+            mc_tier = MooncakeTier(master.url(segment=0, timeout=60), index_url=server.url(),
+                                   pin=cfg.device == "cuda", max_pending_bytes=2 * top_value)
+            for _ in range(_SMALL_READS):
+                mc_tier.get_many(["sparsex:bench:absent"])
         for n in sizes:
             seg = body[:n]
             sx.reset_cache()
@@ -279,12 +364,24 @@ def run_store_bench(cfg: StoreBenchConfig) -> dict:
             if after.errors > before.errors or after.writes_dropped > before.writes_dropped:
                 raise RuntimeError(f"the Redis tier failed at {n} tokens: {after}")
             admin.delete(key)
+            if mc_tier is not None:
+                entry = _mooncake_runs(cfg, mc_tier, store, sx, record, entry, key, runs, s)
+                admin.delete(key)
             del record
             _release()
         policy_state = {"bandwidth_mb_s": (tier.bandwidth() or 0) / 1e6, "latency_ms": 1000 * (tier.latency() or 0)}
+        if mc_tier is not None:
+            policy_state["mooncake_bandwidth_mb_s"] = (mc_tier.bandwidth() or 0) / 1e6
+            policy_state["mooncake_latency_ms"] = 1000 * (mc_tier.latency() or 0)
         tier.close()
         admin.close()
     finally:
+        if mc_tier is not None:
+            mc_tier.close()
+        if holder is not None:
+            holder.stop()
+        if master is not None:
+            master.close()                              # by its pid, then its temp dir
         server.close()                                  # SIGTERM to its pid, then its temp dir
 
     for res in results.values():
@@ -306,6 +403,21 @@ def run_store_bench(cfg: StoreBenchConfig) -> dict:
         res.est_fetch_ms = None if d.est_fetch_s is None else 1000 * d.est_fetch_s
         res.est_recompute_ms = None if d.est_recompute_s is None else 1000 * d.est_recompute_s
         res.decision, res.reason = ("fetch" if d.fetch else "recompute"), d.reason
+    if "mooncake_bandwidth_mb_s" in policy_state:
+        # the same policy with the Mooncake tier's estimates and its own decode (a view) + install rate
+        mc_policy = FetchPolicy("auto")
+        for n in sizes:
+            for x in results[n].samples["recompute"]:
+                mc_policy.observe_prefill(n, x)
+            for dec, inst in zip(results[n].samples["mc_decode"], results[n].samples["mc_install"]):
+                mc_policy.observe_load(int(results[n].kv_mb * 1e6), dec + inst)
+        policy_state["mooncake_load_mb_s"] = (mc_policy.load_bytes_per_s() or 0) / 1e6
+        for n in sizes:
+            d = mc_policy.decide(n, n * bpt, policy_state["mooncake_bandwidth_mb_s"] * 1e6,
+                                 policy_state["mooncake_latency_ms"] / 1000)
+            res = results[n]
+            res.mooncake_est_fetch_ms = None if d.est_fetch_s is None else 1000 * d.est_fetch_s
+            res.mooncake_decision = "fetch" if d.fetch else "recompute"
 
     env.update(wall_seconds=round(time.time() - t_start, 1), load_avg_end=loadavg(), bytes_per_token=bpt,
                torch_threads=torch.get_num_threads(), policy=policy_state)
@@ -328,18 +440,22 @@ def markdown(results: dict[int, SizeResult], cfg: StoreBenchConfig, env: dict) -
     pin = f", pinned to core{'s' if pinned and len(pinned) > 1 else ''} {','.join(map(str, pinned))}" \
         if pinned and len(pinned) < (env.get("cores") or 0) else ""
     pol = env.get("policy", {})
+    mooncake = "mooncake_bandwidth_mb_s" in pol
+    ops = OPS + (MOONCAKE_OPS if mooncake else ())
     gpu = f"{env['gpu']} (torch {env.get('torch')}), host: " if env.get("gpu") else ""
     lines = [f"{gpu}{env.get('cpu')} ({env.get('cores')} cores), {threads} torch thread{'s' if threads != 1 else ''}{pin}, "
              f"torch {env.get('torch')}; {cfg.model}, {env.get('dtype')} "
              f"({env.get('bytes_per_token'):,} B of KV per token); "
              f"{env.get('started', '')[:10]}, `{env.get('commit')}`; {env.get('wall_seconds')} s wall. Median of "
-             f"{cfg.repeats} runs after one unmeasured; a local redis-server (loopback) started by the bench.",
+             f"{cfg.repeats} runs after one unmeasured; a local redis-server (loopback) started by the bench"
+             + ("; a local mooncake_master, the payloads in another process's segment (TCP on loopback), "
+                "their index in that Redis." if mooncake else "."),
              "", f"    {cfg.command or 'sparsex bench store'}", ""]
     head = ["tokens", "MB", "operation", "ms", "MB/s", "µs/token", "/ recompute"]
     rows = []
     for n, res in sorted(results.items()):
         rec = res.ms["recompute"]
-        for op, label, moved in OPS:
+        for op, label, moved in ops:
             ms = res.ms[op]
             mb = res.kv_mb if moved in (None, "kv") else res.value_mb
             rows.append([f"{n:,}", f"{mb:,.1f}", label, f"{ms:,.2f}",
@@ -350,6 +466,12 @@ def markdown(results: dict[int, SizeResult], cfg: StoreBenchConfig, env: dict) -
                   "decode (checksum) / install.", ""]
     lines += _table(["tokens"] + list(PARTS),
                     [[f"{n:,}"] + [f"{res.ms[p]:,.2f}" for p in PARTS] for n, res in sorted(results.items())])
+    if mooncake:
+        lines += ["", "Mooncake fetch in pieces (median ms): lookup + batch_get_into (index MGET, then the payload "
+                      "into the registered read buffer) / decode (checksum; the K/V stays a view) / install.", ""]
+        lines += _table(["tokens", "lookup + batch_get_into", "decode", "install"],
+                        [[f"{n:,}"] + [f"{res.ms[p]:,.2f}" for p in MOONCAKE_PARTS]
+                         for n, res in sorted(results.items())])
     tps = pol.get("prefill_tokens_per_s")
     lines += ["", f"Fetch policy (auto) after these measurements: prefill {tps:,.0f} tokens/s (EWMA over the "
                   f"recomputes, size-weighted), Redis {pol.get('bandwidth_mb_s', 0):,.0f} MB/s past a "
@@ -364,6 +486,17 @@ def markdown(results: dict[int, SizeResult], cfg: StoreBenchConfig, env: dict) -
         rows.append([f"{n:,}", _num(res.est_fetch_ms), _num(res.est_recompute_ms), res.decision,
                      f"{res.ms['redis_fetch']:,.2f}", f"{res.ms['recompute']:,.2f}", cheaper])
     lines += _table(head, rows)
+    if mooncake:
+        lines += ["", f"With the Mooncake tier's estimates: {pol['mooncake_bandwidth_mb_s']:,.0f} MB/s past a "
+                      f"{pol['mooncake_latency_ms']:.2f} ms lookup + round trip, decode + install "
+                      f"{pol['mooncake_load_mb_s']:,.0f} MB/s.", ""]
+        rows = []
+        for n, res in sorted(results.items()):
+            cheaper = "fetch" if res.ms["mooncake_fetch"] < res.ms["recompute"] else "recompute"
+            rows.append([f"{n:,}", _num(res.mooncake_est_fetch_ms), _num(res.est_recompute_ms), res.mooncake_decision,
+                         f"{res.ms['mooncake_fetch']:,.2f}", f"{res.ms['recompute']:,.2f}", cheaper])
+        lines += _table(["tokens", "est. fetch (ms)", "est. recompute (ms)", "auto decides",
+                         "measured fetch (Mooncake, ms)", "measured recompute (ms)", "cheaper, measured"], rows)
     return "\n".join(lines) + "\n"
 
 
@@ -391,7 +524,8 @@ def add_store_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     """Register `store` under `sparsex bench`; the handler is `run_store_bench_cli`."""
     d = StoreBenchConfig()
     p = subparsers.add_parser(
-        "store", help="segment store tiers on this machine: host spill/install, Redis SET/fetch vs recompute",
+        "store", help="segment store tiers on this machine: host spill/install, Redis SET/fetch, Mooncake "
+                      "put/fetch vs recompute",
         description="Per segment size (real passages): recompute (prefill), host-tier spill and install, "
                     "Redis encode+SET and GET+decode+install against a local redis-server started here; ms, MB, "
                     "MB/s, µs/token, the ratio to recompute, and what the fetch policy (auto) decides.",
@@ -406,13 +540,17 @@ def add_store_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     p.add_argument("--out", default=d.out, help="directory for store.json and store.md")
     p.add_argument("--redis-server", default=None,
                    help="redis-server binary (default: on PATH, else /usr/bin or /usr/sbin)")
+    p.add_argument("--mooncake", action=argparse.BooleanOptionalAction, default=None,
+                   help="also measure the Mooncake tier against a local mooncake_master (default: where the "
+                        "Mooncake wheel is installed)")
     p.set_defaults(func=run_store_bench_cli)
     return p
 
 
 def run_store_bench_cli(args: argparse.Namespace) -> int:
     cfg = StoreBenchConfig(model=args.model, dtype=args.dtype, device=args.device, sizes=tuple(args.sizes), repeats=args.repeats,
-                           redis_server=args.redis_server, out=args.out, command=command_line("store"))
+                           redis_server=args.redis_server, mooncake=args.mooncake, out=args.out,
+                           command=command_line("store"))
     cfg.verify()
     set_threads(args.threads)
     result = run_store_bench(cfg)

@@ -110,7 +110,8 @@ class LLMEngine:
             from sparsex.kvstore.segment_store import SegmentStore
             fingerprint = model_fingerprint(loaded.name, repr(loaded.config), self.runner.model.embed_tokens.weight[:8])
             self.store = SegmentStore(self.runner.device_kv(), fingerprint, host_bytes=config.host_kv_cache_memory,
-                                      url=config.segment_store, fetch=config.segment_store_fetch,
+                                      url=config.segment_store, index_url=config.segment_index,
+                                      fetch=config.segment_store_fetch,
                                       merge_cap=config.reuse.merge_encodings)
         del loaded
         # engine/quality_monitor.py: scores served answers in idle capacity (EngineConfig: cache="sparsex" only)

@@ -4,7 +4,7 @@ A record holds the entry's token ids (verified again on every hit, like a device
 its first token was computed at, the number of encodings merged into it, whether it is an explicit
 segment, and the K/V of exactly its tokens in every layer. Serialized it is
 
-    b"SXKV" | u32 header length | header (JSON) | token ids (int32) | K/V bytes
+    b"SXKV" | u32 header length | header (JSON, blank-padded) | token ids (int32) | K/V bytes
 
 and the header carries an xxh3-64 checksum of everything after it, so a truncated or corrupt value
 is detected and dropped, never loaded.
@@ -35,6 +35,7 @@ NAMESPACE = "sparsex"
 _UNSALTED = "shared"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HEADER_LEN = struct.Struct("<I")
+_KV_ALIGN = 64
 
 
 class CorruptRecord(ValueError):
@@ -94,9 +95,8 @@ def _kv_buffer(kv: torch.Tensor) -> memoryview:
     return memoryview(kv.numpy()).cast("B")
 
 
-def encode(record: SegmentRecord) -> bytes:
-    # One allocation of the record's size (the join): a fresh GB-sized buffer costs its page faults,
-    # which on a VM are slower than the copy itself.
+def _parts(record: SegmentRecord) -> tuple[bytes, bytes, memoryview]:
+    """(header, token ids, K/V bytes) of a serialized record, the K/V not copied."""
     tokens = np.ascontiguousarray(record.token_ids, dtype=np.int32).tobytes()
     kv = _kv_buffer(record.kv)
     checksum = xxhash.xxh3_64(tokens)
@@ -108,24 +108,47 @@ def encode(record: SegmentRecord) -> bytes:
         "num_encodings": record.num_encodings, "explicit": record.explicit,
         "cache_salt_tag": tenant_tag(record.cache_salt), "checksum": checksum.hexdigest(),
     }, separators=(",", ":")).encode()
-    return b"".join((MAGIC, _HEADER_LEN.pack(len(header)), header, tokens, kv))
+    # JSON ignores trailing blanks: pad the header so the K/V starts 64-byte aligned in the record (a
+    # record read into an aligned buffer is viewed as a tensor in place, decode(copy=False))
+    header += b" " * (-(8 + len(header) + len(tokens)) % _KV_ALIGN)
+    return MAGIC + _HEADER_LEN.pack(len(header)) + header, tokens, kv
 
 
-def decode_header(data: bytes) -> dict:
+def encode(record: SegmentRecord) -> bytes:
+    # One allocation of the record's size (the join): a fresh GB-sized buffer costs its page faults,
+    # which on a VM are slower than the copy itself.
+    return b"".join(_parts(record))
+
+
+def encode_into(record: SegmentRecord, out: memoryview) -> int:
+    """Serialize `record` into `out` (a writable byte buffer, e.g. a registered transfer buffer) without
+    an intermediate copy; returns the bytes written. ValueError when `out` is too small."""
+    head, tokens, kv = _parts(record)
+    n = len(head) + len(tokens) + kv.nbytes
+    if len(out) < n:
+        raise ValueError(f"buffer of {len(out)} bytes holds no record of {n}")
+    a, b = len(head), len(head) + len(tokens)
+    out[:a], out[a:b], out[b:n] = head, tokens, kv
+    return n
+
+
+def decode_header(data: bytes | memoryview) -> dict:
     """The header of a serialized record (no checksum check: cheap, for compare-and-set)."""
-    if len(data) < 8 or data[:4] != MAGIC:
+    if len(data) < 8 or bytes(data[:4]) != MAGIC:
         raise CorruptRecord("not a SparseX KV record")
     (n,) = _HEADER_LEN.unpack_from(data, 4)
     if len(data) < 8 + n:
         raise CorruptRecord("record truncated inside its header")
     try:
-        return json.loads(data[8:8 + n])
+        return json.loads(bytes(data[8:8 + n]))
     except ValueError as e:
         raise CorruptRecord(f"record header is not JSON ({e})") from e
 
 
-def decode(data: bytes, cache_salt: str | None) -> SegmentRecord:
-    """Parse and check a serialized record; CorruptRecord if anything is off."""
+def decode(data: bytes | memoryview, cache_salt: str | None, *, copy: bool = True) -> SegmentRecord:
+    """Parse and check a serialized record; CorruptRecord if anything is off. `copy=False`: the record's
+    K/V is a view of `data` (a transfer buffer loaded straight to the device), valid while `data` is
+    left unchanged."""
     header = decode_header(data)
     # views, not slices: the K/V bytes are copied once, into the tensor the record keeps
     payload = memoryview(data)[8 + _HEADER_LEN.unpack_from(data, 4)[0]:]
@@ -145,7 +168,9 @@ def decode(data: bytes, cache_salt: str | None) -> SegmentRecord:
         raise CorruptRecord("record size does not match its header")
     tokens = np.frombuffer(payload[:4 * n], dtype=np.int32).copy()
     raw = np.frombuffer(payload[4 * n:], dtype=np.int16 if dtype == torch.bfloat16 else
-                        {torch.float32: np.float32, torch.float16: np.float16}[dtype]).copy()
+                        {torch.float32: np.float32, torch.float16: np.float16}[dtype])
+    if copy or not raw.flags.writeable or not raw.flags.aligned:   # torch takes neither without a copy
+        raw = raw.copy()
     kv = torch.from_numpy(raw)
     kv = (kv.view(torch.bfloat16) if dtype == torch.bfloat16 else kv).view(shape)
     return SegmentRecord(tokens, cache_salt, header["start_pos"], header["num_encodings"], header["explicit"], kv)

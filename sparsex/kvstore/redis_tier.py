@@ -27,6 +27,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from sparsex.kvstore.fetch_policy import ewma
+from sparsex.kvstore.record import SegmentRecord, encode
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +237,10 @@ class RedisTier:
         """Queue a SET (NX when only_if_absent) and return at once; dropped and counted if the queue is full."""
         value = value if isinstance(value, bytes) else bytes(value)
         self._enqueue(("set", key, value, only_if_absent), len(key) + len(value))
+
+    def put_record(self, key: str, record: SegmentRecord, *, only_if_absent: bool = True) -> None:
+        """`put` of the encoded record (encoded here, in the caller's thread)."""
+        self.put(key, encode(record), only_if_absent=only_if_absent)
 
     def merge(self, key: str, update: Callable[[bytes | None], bytes | None]) -> None:
         """Queue a compare-and-set: the writer WATCHes key, GETs it, writes update(current) in MULTI/EXEC

@@ -4,8 +4,10 @@
   host    `host_tier.HostTier`: an entry evicted from the pool is copied here first (`spill`) and comes
           back on a later hit (`fetch` + `install`): on the CPU this extends the pool, on a GPU it keeps
           KV that device memory had to drop;
-  remote  `redis_tier.RedisTier`: a store shared by every replica. An explicit segment a replica
-          computes is written there (`publish`, write-behind: serialised and sent by a worker thread,
+  remote  a store shared by every replica, picked by the url's scheme: `redis_tier.RedisTier`
+          (redis://: whole records in Redis) or `mooncake_tier.MooncakeTier` (mooncake://: payloads
+          in a Mooncake Store moved between registered buffers, their index in Redis). An explicit
+          segment a replica computes is written there (`publish`, write-behind: serialised and sent by a worker thread,
           off the TTFT path), an encoding it merges is folded into the stored record by
           compare-and-set (`publish_merge`: concurrent merges from several replicas lose no update),
           and a replica that misses locally looks the request's spans up there in one round trip.
@@ -55,7 +57,9 @@ class StoreStats:
     remote_bytes_read: int = 0
     remote_bytes_written: int = 0
     remote_writes_dropped: int = 0
+    remote_stale: int = 0              # index entries whose payload was gone (mooncake: evicted, master restarted)
     remote_up: bool = True
+    remote_kind: str | None = None     # "redis" or "mooncake"; None without a shared store
     fetch_seconds: float = 0.0         # remote round trips on the scheduling path
     fetch_decisions: int = 0           # spans fetched from the remote store
     recompute_decisions: int = 0       # spans the fetch policy left to recompute
@@ -63,19 +67,26 @@ class StoreStats:
 
 
 class SegmentStore:
-    """`fetch`: EngineConfig.segment_store_fetch; `merge_cap`: ReuseConfig.merge_encodings (the
-    most encodings a shared record averages)."""
+    """`url`: EngineConfig.segment_store (redis:// or mooncake://), `index_url`: EngineConfig.segment_index
+    (a mooncake:// store's Redis index); `fetch`: EngineConfig.segment_store_fetch; `merge_cap`:
+    ReuseConfig.merge_encodings (the most encodings a shared record averages)."""
 
     def __init__(self, kv: DeviceKV, model_fingerprint: str, *, host_bytes: int, url: str | None, fetch: str,
-                 merge_cap: int):
+                 merge_cap: int, index_url: str | None = None):
         self.kv = kv
         self.fingerprint = model_fingerprint
         self.merge_cap = merge_cap
         self.host = HostTier(host_bytes, pin=kv.device.type == "cuda") if host_bytes > 0 else None
         self.remote = None
-        if url:
+        self.remote_kind = None
+        if url and url.startswith("mooncake://"):
+            from sparsex.kvstore.mooncake_tier import MooncakeTier
+            if not index_url:
+                raise ValueError("a mooncake:// segment store needs its index: segment_index=redis://...")
+            self.remote, self.remote_kind = MooncakeTier(url, index_url=index_url, pin=kv.device.type == "cuda"), "mooncake"
+        elif url:
             from sparsex.kvstore.redis_tier import RedisTier
-            self.remote = RedisTier(url)
+            self.remote, self.remote_kind = RedisTier(url), "redis"
         self.policy = FetchPolicy(fetch)
         self.fetch_seconds = 0.0
         self.installed_tokens = 0
@@ -152,7 +163,7 @@ class SegmentStore:
                 kind, key, record = job
                 record.kv = record.kv.cpu()
                 if kind == "put":
-                    self.remote.put(key, encode(record), only_if_absent=True)
+                    self.remote.put_record(key, record, only_if_absent=True)
                 else:
                     self.remote.merge(key, lambda current, r=record: self._merged(current, r))
             except Exception:                       # a bad job must not stop the writer
@@ -203,22 +214,30 @@ class SegmentStore:
         """Install as entries of `index` the segments `spans` (token ids, salt) that a tier holds
         (`fetch`); returns how many. A remote record's decode + install time feeds the fetch policy."""
         installed = 0
-        for record, decode_s in self.fetch(spans):
+        borrowed = False
+        for record, decode_s in self.fetch(spans, borrow=True):
             if record is None:
                 continue
+            borrowed |= decode_s is not None
             t0 = time.perf_counter()
             if self.install(record, index) is None:
                 continue
             installed += 1
             if decode_s is not None:
                 self.policy.observe_load(record.nbytes, decode_s + time.perf_counter() - t0)
+        if borrowed and self.kv.device.type == "cuda":
+            # the host-to-device copies read the tier's transfer buffer, which the next fetch overwrites
+            torch.cuda.current_stream(self.kv.device).synchronize()
         return installed
 
-    def fetch(self, spans: list[tuple[list[int], str | None]]) -> list[tuple[SegmentRecord | None, float | None]]:
+    def fetch(self, spans: list[tuple[list[int], str | None]], *,
+              borrow: bool = False) -> list[tuple[SegmentRecord | None, float | None]]:
         """(record, decode seconds) of the segments `spans` (token ids, salt) that a tier holds: the
         host tier first (no decode: None), then one remote round trip for the rest that the fetch
-        policy finds cheaper to fetch than to recompute. Token ids are verified; a corrupt record is
-        dropped (and counted)."""
+        policy finds cheaper to fetch than to recompute. Token ids are verified; a corrupt record, or
+        one whose K/V is not of this engine's shape and dtype, is dropped (and counted). `borrow`: a
+        remote record's K/V may be a view of the tier's transfer buffer (a Mooncake read), valid until
+        the next fetch: the caller installs it before that."""
         out: list[tuple[SegmentRecord | None, float | None]] = [(None, None)] * len(spans)
         keys = [self.key(toks, salt) for toks, salt in spans]
         if self.host is not None:
@@ -245,7 +264,8 @@ class SegmentStore:
                 continue
             t_decode = time.perf_counter()
             try:
-                record = decode(value, spans[i][1])
+                record = decode(value, spans[i][1], copy=not borrow)
+                self._check_shape(record)
             except CorruptRecord as e:
                 logger.warning("dropping a corrupt segment record %s: %s", keys[i], e)
                 self.remote.count_corrupt(keys[i])            # counted, and deleted from the store
@@ -254,6 +274,15 @@ class SegmentStore:
                 out[i] = (record, time.perf_counter() - t_decode)
         self.fetch_seconds += time.perf_counter() - t0
         return out
+
+    def _check_shape(self, record: SegmentRecord) -> None:
+        """CorruptRecord unless the record's K/V fits this engine's KV cache (a record of another model or
+        layout that reached this key: a forged or colliding index entry)."""
+        k_cache = self.kv.kv_caches[0][0]
+        want = (len(self.kv.kv_caches), 2, record.num_tokens, *k_cache.shape[2:])
+        if tuple(record.kv.shape) != want or record.kv.dtype != self.kv.dtype:
+            raise CorruptRecord(f"record K/V {tuple(record.kv.shape)} {record.kv.dtype} does not fit this "
+                                f"engine's {want} {self.kv.dtype}")
 
     def install(self, record: SegmentRecord, index: SegmentIndex) -> SegmentEntry | None:
         """Make `record` an entry of `index`: blocks from the pool's free queue (None, nothing
@@ -293,6 +322,8 @@ class SegmentStore:
             st.remote_bytes_read, st.remote_bytes_written, st.remote_writes_dropped = (
                 r.bytes_read, r.bytes_written, r.writes_dropped)
             st.remote_up = r.up
+            st.remote_stale = getattr(r, "stale", 0)        # a Redis record has no separate payload to lose
+            st.remote_kind = self.remote_kind
         return st
 
     def check_integrity(self) -> None:

@@ -1,0 +1,792 @@
+"""The Mooncake tier of the segment store: record payloads in a Mooncake Store, their index in Redis.
+
+    mooncake://MASTER:PORT?metadata=http://HOST:PORT/metadata&protocol=tcp     (+ --segment-index redis://...)
+
+A Mooncake Store is a master that keeps object metadata and clients (here: the replicas) that each
+mount a segment of their memory (`segment=`) and move bytes between registered buffers over TCP or
+RDMA (its transfer engine). Payloads are the encoded records (`record.py`); they go in and out
+through two registered buffers per replica, without a serialized copy on the way:
+
+    write   encode_into(write buffer)  ->  put_from(payload key)  ->  Redis SET key -> {payload, size, version}
+    read    Redis MGET keys  ->  batch_get_into(read buffer, one offset per record)  ->  views of it
+
+A read hands out views of the read buffer (valid until the next read): `SegmentStore.load` decodes
+them in place (`decode(copy=False)`) and installs each with one host-to-device copy (the buffer is
+pinned where CUDA is). Redis holds the index because it gives what Mooncake does not: a
+compare-and-set (WATCH/MULTI) for merges, key-prefix ACLs per tenant (record_key) and a lookup that
+needs no transfer; the payload key carries a fresh nonce per version, so a payload is never
+overwritten in place:
+
+    merge   WATCH key; GET entry; get_into(old payload); update(); put_from(new payload key);
+            MULTI SET key -> new entry EXEC   (a concurrent writer: WatchError, the new payload is
+            removed and the merge retried, so no update is lost); the old payload removed afterwards
+
+Faults never raise: the index (Redis) and the payloads (Mooncake) are each marked down for
+`reconnect_s` after a failure (a read is then a miss at once, a write is dropped), and every Mooncake
+call runs on a worker thread that the caller waits for at most the tier's timeout (a hung master
+blocks the worker, not the engine; the tier stays down until the call returns). An index entry whose
+payload is gone (evicted by Mooncake, lost with a restarted master or with the replica whose segment
+held it) is a miss counted as `stale`, and the entry is removed if it still names that payload.
+
+Reads feed the same latency and bandwidth estimates as the Redis tier (`fetch_policy.FetchPolicy`).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import logging
+import os
+import queue
+import random
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+from urllib.parse import parse_qsl, urlsplit
+
+import redis
+import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from sparsex.kvstore.fetch_policy import ewma
+from sparsex.kvstore.record import SegmentRecord, encode_into
+from sparsex.kvstore.redis_tier import _redact
+from sparsex.kvstore.redis_tier import parse_url as parse_redis_url
+
+log = logging.getLogger(__name__)
+
+_PROTOCOLS = ("tcp", "rdma")
+_OPTIONS = ("metadata", "protocol", "device", "segment", "buffer", "host", "timeout")
+DEFAULT_PORT = 50051                         # mooncake_master's default RPC port
+DEFAULT_SEGMENT_BYTES = 512 << 20
+DEFAULT_BUFFER_BYTES = 16 << 20
+DEFAULT_TIMEOUT_S = 1.0
+
+# Mooncake's error codes (negative returns of the client's calls) that mean something here
+_OBJECT_NOT_FOUND = -704
+_OBJECT_HAS_LEASE = -706
+_LEASE_EXPIRED = -707                        # a read slower than the lease the master granted it
+
+_SMALL_READ_BYTES = 16 << 10                 # a read that moved less: a latency sample
+_MIN_TRANSFER_BPS = 100e6                    # a transfer's deadline: timeout + bytes at this rate
+_ALIGN = 64                                  # records sit 64-byte aligned in the read buffer
+_CAS_MAX_ATTEMPTS = 64
+_OP_OVERHEAD_BYTES = 64
+_REMOVE_RETRY_S = 1.0                        # an old payload still leased by a reader: try again later
+_REMOVE_MAX_ATTEMPTS = 30                    # then leave it to Mooncake's eviction
+
+
+@dataclass(frozen=True)
+class MooncakeTierStats:
+    gets: int = 0                 # keys asked for (get_many); gets == hits + misses
+    hits: int = 0
+    misses: int = 0               # includes stale entries and the keys of reads that failed or were skipped
+    stale: int = 0                # index entries whose payload was gone (evicted, master restarted)
+    errors: int = 0               # failed calls, index (Redis) and payload (Mooncake) together
+    timeouts: int = 0             # Mooncake calls that outlasted the tier's timeout (among errors)
+    corrupt: int = 0              # payloads the caller found corrupt (count_corrupt)
+    bytes_read: int = 0
+    bytes_written: int = 0        # payload bytes put
+    writes_dropped: int = 0       # puts/merges/drops not done: queue full, tier down, failed, CAS gave up
+    cas_retries: int = 0
+    fetch_seconds_total: float = 0.0
+    up: bool = True               # both the index and the payload store answered at the last try
+    index_up: bool = True
+    payload_up: bool = True
+
+
+class StoreUnavailable(RuntimeError):
+    """The Mooncake client library cannot be loaded (wheel or Debian libraries missing)."""
+
+
+class _Busy(RuntimeError):
+    """An earlier call on this worker has not returned yet (a hung store)."""
+
+
+def parse_url(url: str) -> dict:
+    """Check a `mooncake://master:port?metadata=http://host:port/metadata&protocol=tcp` url; ValueError
+    naming it if bad. Options: protocol (tcp | rdma), device (RDMA device names, with rdma), segment
+    (bytes of this replica's memory in the store: 512M), buffer (the client's own transfer buffer: 16M),
+    host (the address other clients reach this one at; default: the one that routes to the master),
+    timeout (seconds a store call may take before the tier counts it failed: 1.0)."""
+    from sparsex.config import parse_bytes
+
+    shown = repr(url)
+    form = "expected mooncake://master:port?metadata=http://host:port/metadata&protocol=tcp"
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"bad Mooncake url {shown}: {form}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise ValueError(f"bad Mooncake url {shown}: {e}") from None
+    if parts.scheme != "mooncake":
+        raise ValueError(f"bad Mooncake url {shown}: scheme must be mooncake://")
+    if not parts.hostname:
+        raise ValueError(f"bad Mooncake url {shown}: no master host; {form}")
+    if parts.path not in ("", "/") or parts.fragment or parts.username or parts.password:
+        raise ValueError(f"bad Mooncake url {shown}: only mooncake://master:port?options; {form}")
+    options = dict(parse_qsl(parts.query, keep_blank_values=True))
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise ValueError(f"bad Mooncake url {shown}: options {unknown} are not taken (known: {', '.join(_OPTIONS)})")
+    metadata = options.get("metadata", "")
+    try:
+        meta = urlsplit(metadata)
+        meta_ok = meta.scheme in ("http", "https") and bool(meta.hostname) and meta.port is not None
+    except ValueError:
+        meta_ok = False
+    if not meta_ok:
+        raise ValueError(f"bad Mooncake url {shown}: metadata must be the master's HTTP metadata server, "
+                         f"http://host:port/metadata (mooncake_master --enable_http_metadata_server=true)")
+    protocol = options.get("protocol", "tcp")
+    if protocol not in _PROTOCOLS:
+        raise ValueError(f"bad Mooncake url {shown}: protocol must be one of {_PROTOCOLS}, got {protocol!r}")
+    if options.get("device") and protocol != "rdma":
+        raise ValueError(f"bad Mooncake url {shown}: device names RDMA devices; it needs protocol=rdma")
+    try:
+        segment = parse_bytes(options["segment"]) if "segment" in options else DEFAULT_SEGMENT_BYTES
+        buffer = parse_bytes(options["buffer"]) if "buffer" in options else DEFAULT_BUFFER_BYTES
+        timeout = float(options.get("timeout", DEFAULT_TIMEOUT_S))
+    except ValueError as e:
+        raise ValueError(f"bad Mooncake url {shown}: {e}") from None
+    if not timeout > 0:
+        raise ValueError(f"bad Mooncake url {shown}: timeout must be > 0 seconds, got {timeout}")
+    return {"master": f"{parts.hostname}:{port or DEFAULT_PORT}", "master_host": parts.hostname,
+            "metadata": metadata, "protocol": protocol, "device": options.get("device", ""),
+            "segment": segment, "buffer": buffer, "host": options.get("host") or None, "timeout": timeout}
+
+
+@functools.cache
+def _store_module() -> Any:
+    """mooncake.store, imported once. Its extension links libcudart.so.12 even in the non-CUDA wheel:
+    where the system has none, the copy of the nvidia-cuda-runtime-cu12 wheel is loaded first. Its log
+    (glog, to stderr) keeps errors only unless MC_LOG_LEVEL says otherwise."""
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    try:
+        import nvidia.cuda_runtime as cuda_runtime
+    except ImportError:
+        cuda_runtime = None
+    if cuda_runtime is not None:
+        for folder in cuda_runtime.__path__:
+            lib = os.path.join(folder, "lib", "libcudart.so.12")
+            if os.path.exists(lib):
+                ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+                break
+    import mooncake.store
+    return mooncake.store
+
+
+def import_error() -> str | None:
+    """Why the Mooncake client cannot be loaded here; None when it can."""
+    try:
+        _store_module()
+    except (ImportError, OSError) as e:
+        return (f"the Mooncake client does not load ({e}); make install installs the "
+                f"mooncake-transfer-engine-non-cuda wheel and libibverbs1, librdmacm1, libnuma1")
+    return None
+
+
+def local_address(master_host: str) -> str:
+    """The address of this host that other clients reach it at: loopback for a master on loopback, else
+    the source address the routing table picks towards the master (no packet is sent)."""
+    try:
+        infos = socket.getaddrinfo(master_host, None, socket.AF_INET)
+        target = infos[0][4][0]
+    except (OSError, IndexError):
+        return "127.0.0.1"
+    if target.startswith("127."):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((target, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+class _Worker:
+    """Runs calls on one daemon thread; the caller waits for each at most `timeout` seconds. A call that
+    did not return in time keeps the thread (and the buffer it uses): later calls raise _Busy at once
+    until it returns."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._pending: threading.Event | None = None
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, box, done = job
+            try:
+                box.append((True, fn()))
+            except BaseException as e:              # noqa: BLE001 - handed to the caller
+                box.append((False, e))
+            finally:
+                done.set()
+
+    @property
+    def idle(self) -> bool:
+        return self._pending is None or self._pending.is_set()
+
+    def call(self, fn: Callable[[], Any], timeout: float) -> Any:
+        with self._lock:
+            if not self.idle:
+                raise _Busy("an earlier call has not returned")
+            box: list = []
+            done = self._pending = threading.Event()
+            self._jobs.put((fn, box, done))
+            if not done.wait(timeout):
+                raise TimeoutError(f"no answer in {timeout:.2f}s")
+            ok, value = box[0]
+            if ok:
+                return value
+            raise value
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+
+class _Buffer:
+    """A byte buffer registered with the Mooncake client (pinned where CUDA is), grown on demand."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.tensor: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return 0 if self.tensor is None else self.tensor.numel()
+
+    def ensure(self, client: Any, nbytes: int) -> None:
+        """At least `nbytes`, registered (call on the worker that uses the buffer)."""
+        if nbytes <= self.size:
+            return
+        size = max(nbytes, int(self.size * 1.5), 1 << 20)
+        size = (size + (1 << 20) - 1) & ~((1 << 20) - 1)
+        tensor = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        rc = client.register_buffer(tensor.data_ptr(), size)
+        if rc != 0:
+            raise OSError(f"register_buffer of {size} bytes failed ({rc})")
+        if self.tensor is not None:
+            client.unregister_buffer(self.tensor.data_ptr())      # views handed out keep the memory alive
+        self.tensor = tensor
+
+    @property
+    def ptr(self) -> int:
+        return self.tensor.data_ptr()
+
+    def view(self, start: int, n: int) -> memoryview:
+        return memoryview(self.tensor.numpy())[start:start + n]
+
+
+def _deadline(timeout_s: float, nbytes: int) -> float:
+    return timeout_s + nbytes / _MIN_TRANSFER_BPS
+
+
+class MooncakeTier:
+    """One replica's client of the shared Mooncake store (payloads) and its Redis index; thread-safe for
+    one reading thread (the engine's) and any number of writers (a writer thread sends)."""
+
+    def __init__(self, url: str, *, index_url: str, pin: bool = False, timeout_s: float | None = None,
+                 index_timeout_s: float = 0.5, max_pending_bytes: int = 256 << 20, reconnect_s: float = 1.0):
+        self.url = url
+        self.cfg = parse_url(url)
+        parse_redis_url(index_url)
+        self.timeout_s = timeout_s or self.cfg["timeout"]
+        if self.timeout_s <= 0 or reconnect_s < 0 or max_pending_bytes < 0 or index_timeout_s <= 0:
+            raise ValueError(f"need timeout_s > 0, index_timeout_s > 0, reconnect_s >= 0, max_pending_bytes >= 0; "
+                             f"got {self.timeout_s}, {index_timeout_s}, {reconnect_s}, {max_pending_bytes}")
+        self.module = _store_module()
+        self.where = self.cfg["master"]
+        self.index_where = _redact(index_url)
+        self.local_host = self.cfg["host"] or local_address(self.cfg["master_host"])
+        self.max_pending_bytes = max_pending_bytes
+        self.reconnect_s = reconnect_s
+        self._index = redis.Redis.from_url(index_url, socket_timeout=index_timeout_s,
+                                           socket_connect_timeout=index_timeout_s,
+                                           retry=Retry(NoBackoff(), 0), health_check_interval=0)
+
+        self._lock = threading.Lock()
+        self._c = {"gets": 0, "hits": 0, "misses": 0, "stale": 0, "errors": 0, "timeouts": 0, "corrupt": 0,
+                   "bytes_read": 0, "bytes_written": 0, "writes_dropped": 0, "cas_retries": 0}
+        self._fetch_seconds = 0.0
+        self._index_down_until = 0.0
+        self._payload_down_until = 0.0
+        self._index_up = self._payload_up = True
+        self._latency: float | None = None
+        self._bw_bytes: float | None = None
+        self._bw_seconds: float | None = None
+        self._last_payloads: dict[str, str] = {}      # key -> payload key of the last read (count_corrupt)
+
+        self._client = None                           # mooncake.store.MooncakeDistributedStore once set up
+        self._reader = _Worker(f"sparsex-mooncake-read[{self.where}]")
+        self._writer_io = _Worker(f"sparsex-mooncake-write[{self.where}]")
+        self._read_buf, self._write_buf, self._merge_buf = _Buffer(pin), _Buffer(pin), _Buffer(pin)
+        self._queue: queue.Queue = queue.Queue()
+        self._removals: list[tuple[float, str, int]] = []     # (due, payload key, attempts)
+        self._pending_bytes = 0
+        self._pending_ops = 0
+        self._idle = threading.Condition(self._lock)
+        self._closed = False
+        self._connect(wait_s=2 * self.timeout_s)
+        self._writer = threading.Thread(target=self._write_loop, name=f"sparsex-mooncake-writer[{self.where}]",
+                                        daemon=True)
+        self._writer.start()
+
+    # ---- connection and health ----------------------------------------------------------------
+    def _connect(self, wait_s: float) -> bool:
+        """Set the client up on the read worker (a dead master blocks the worker, not the caller); a setup
+        that succeeds after the caller stopped waiting still takes effect."""
+        cfg = self.cfg
+
+        def setup():
+            client = self.module.MooncakeDistributedStore()
+            rc = client.setup(self.local_host, cfg["metadata"], cfg["segment"], cfg["buffer"], cfg["protocol"],
+                              cfg["device"], cfg["master"])
+            if rc != 0:
+                raise OSError(f"setup returned {rc}")
+            with self._lock:
+                if self._closed:
+                    client.close()
+                else:
+                    self._client = client
+            log.info("Mooncake tier %s: connected as %s (%s)", self.where, self.local_host, cfg["protocol"])
+
+        try:
+            self._reader.call(setup, wait_s)
+        except (OSError, TimeoutError, _Busy, RuntimeError) as e:
+            self._payload_failed("setup", e)
+            return False
+        return True
+
+    def _payload_ready(self) -> bool:
+        if time.monotonic() < self._payload_down_until:
+            return False
+        if self._client is None:
+            return self._connect(wait_s=self.timeout_s)
+        return True
+
+    def _payload_failed(self, what: str, e: BaseException) -> None:
+        with self._lock:
+            self._c["errors"] += 1
+            if isinstance(e, (TimeoutError, _Busy)):
+                self._c["timeouts"] += isinstance(e, TimeoutError)
+            was_up, self._payload_up = self._payload_up, False
+            self._payload_down_until = time.monotonic() + self.reconnect_s
+        if was_up:
+            log.warning("Mooncake tier %s: %s failed (%s: %s); down, retrying in %.1fs",
+                        self.where, what, type(e).__name__, e, self.reconnect_s)
+
+    def _payload_ok(self) -> None:
+        with self._lock:
+            if not self._payload_up:
+                log.info("Mooncake tier %s: serving again", self.where)
+            self._payload_up = True
+
+    def _index_ready(self) -> bool:
+        return time.monotonic() >= self._index_down_until
+
+    def _index_failed(self, what: str, e: BaseException) -> None:
+        with self._lock:
+            self._c["errors"] += 1
+            was_up, self._index_up = self._index_up, False
+            self._index_down_until = time.monotonic() + self.reconnect_s
+        if was_up:
+            log.warning("Mooncake tier %s: index %s %s failed (%s: %s); down, retrying in %.1fs",
+                        self.where, self.index_where, what, type(e).__name__, e, self.reconnect_s)
+
+    def _index_ok(self) -> None:
+        with self._lock:
+            if not self._index_up:
+                log.info("Mooncake tier %s: index %s serving again", self.where, self.index_where)
+            self._index_up = True
+
+    # ---- index entries ------------------------------------------------------------------------
+    @staticmethod
+    def _entry(raw: bytes | None) -> dict | None:
+        """An index entry {"p": payload key, "n": bytes, "v": version}; None if absent or malformed."""
+        if raw is None:
+            return None
+        try:
+            e = json.loads(raw)
+            if isinstance(e, dict) and isinstance(e.get("p"), str) and isinstance(e.get("n"), int) and e["n"] > 0:
+                return e
+        except ValueError:
+            pass
+        return None
+
+    @staticmethod
+    def _payload_key(key: str, version: int) -> str:
+        return f"{key}@{version}.{uuid.uuid4().hex[:12]}"
+
+    # ---- reads --------------------------------------------------------------------------------
+    def get_many(self, keys: list[str]) -> list[memoryview | None]:
+        """The stored records of `keys` (views of the read buffer, valid until the next call) or None: one
+        index round trip (MGET) and one batch_get_into; all None (never an exception) on trouble."""
+        keys = list(keys)
+        if not keys:
+            return []
+        out: list[memoryview | None] = [None] * len(keys)
+        t0 = time.perf_counter()
+        raws = None
+        if self._index_ready():
+            try:
+                raws = self._index.mget(keys)
+            except (redis.RedisError, OSError) as e:
+                self._index_failed("MGET", e)
+            else:
+                self._index_ok()
+        entries = [self._entry(r) for r in raws] if raws is not None else [None] * len(keys)
+        wanted = [(i, e) for i, e in enumerate(entries) if e is not None]
+        stale, nbytes, read = [], 0, False
+        if wanted and self._payload_ready():
+            offsets, total = [], 0
+            for _, e in wanted:
+                offsets.append(total)
+                total += (e["n"] + _ALIGN - 1) // _ALIGN * _ALIGN
+
+            def batch_get():
+                self._read_buf.ensure(self._client, total)
+                base = self._read_buf.ptr
+                return self._client.batch_get_into([e["p"] for _, e in wanted], [base + o for o in offsets],
+                                                   [e["n"] for _, e in wanted])
+            try:
+                rcs = self._reader.call(batch_get, _deadline(self.timeout_s, total))
+            except (OSError, TimeoutError, _Busy, RuntimeError) as e:
+                self._payload_failed("batch_get_into", e)
+            else:
+                read = True
+                failed = [rc for rc in rcs if rc < 0 and rc != _OBJECT_NOT_FOUND]
+                if _LEASE_EXPIRED in failed:                        # the store was slower than its own lease
+                    with self._lock:
+                        self._c["timeouts"] += 1
+                self._last_payloads = {keys[i]: e["p"] for i, e in wanted}
+                for (i, e), off, rc in zip(wanted, offsets, rcs):
+                    if rc == _OBJECT_NOT_FOUND:
+                        stale.append((keys[i], e["p"]))
+                    elif rc >= 0:
+                        out[i] = self._read_buf.view(off, rc)      # rc != n: truncated, decode rejects it
+                        nbytes += rc
+                    elif rc == -600:                                # larger than its entry says: not a record
+                        out[i] = memoryview(b"")
+                if failed and len(failed) == len(rcs):
+                    self._payload_failed("batch_get_into", OSError(f"error {failed[0]}"))
+                elif failed:
+                    with self._lock:
+                        self._c["errors"] += 1
+                else:
+                    self._payload_ok()
+        seconds = time.perf_counter() - t0
+        hits = sum(v is not None for v in out)
+        with self._lock:
+            self._c["gets"] += len(keys)
+            self._c["hits"] += hits
+            self._c["misses"] += len(keys) - hits
+            self._c["stale"] += len(stale)
+            self._c["bytes_read"] += nbytes
+            if raws is not None:
+                self._fetch_seconds += seconds
+                if read or not wanted:
+                    self._observe(seconds, nbytes)
+        for key, payload in stale:
+            self._enqueue(("drop", key, payload), len(key) + _OP_OVERHEAD_BYTES)
+        return out
+
+    def _observe(self, seconds: float, nbytes: int) -> None:
+        """(under the lock) latency and bandwidth EWMAs, as RedisTier's."""
+        if nbytes < _SMALL_READ_BYTES or self._latency is None:
+            self._latency = ewma(self._latency, seconds if nbytes < _SMALL_READ_BYTES else seconds / 2)
+        if nbytes > 0:
+            transfer = max(seconds - self._latency, seconds / 2)
+            self._bw_bytes = ewma(self._bw_bytes, float(nbytes))
+            self._bw_seconds = ewma(self._bw_seconds, transfer)
+
+    def bandwidth(self) -> float | None:
+        """Bytes/s of reads that returned data (size-weighted EWMA, latency excluded); None before any."""
+        with self._lock:
+            if self._bw_bytes is None or not self._bw_seconds:
+                return None
+            return self._bw_bytes / self._bw_seconds
+
+    def latency(self) -> float | None:
+        """Seconds per lookup + fetch with next to no payload (EWMA); None before any."""
+        return self._latency
+
+    # ---- writes (write-behind) ----------------------------------------------------------------
+    def _enqueue(self, op: tuple, nbytes: int) -> None:
+        with self._lock:
+            if self._closed or self._pending_bytes + nbytes > self.max_pending_bytes or (
+                    op[0] != "drop" and (time.monotonic() < self._payload_down_until or not self._index_ready())):
+                self._c["writes_dropped"] += 1
+                return
+            self._pending_bytes += nbytes
+            self._pending_ops += 1
+        self._queue.put((op, nbytes))
+
+    def put(self, key: str, value: bytes, *, only_if_absent: bool = True) -> None:
+        """Queue a write of `value` under `key` (kept if present when only_if_absent); returns at once."""
+        value = value if isinstance(value, bytes) else bytes(value)
+        self._enqueue(("put", key, value, only_if_absent), len(key) + len(value))
+
+    def put_record(self, key: str, record: SegmentRecord, *, only_if_absent: bool = True) -> None:
+        """Queue a write of `record`, encoded by the writer straight into the registered write buffer."""
+        self._enqueue(("put", key, record, only_if_absent), len(key) + record.nbytes + 1024)
+
+    def merge(self, key: str, update: Callable[[memoryview | None], bytes | None]) -> None:
+        """Queue a compare-and-set: `update(current)` (None: absent; the payload bytes otherwise) gives the
+        new value (None: leave it), written under a new payload key and swapped into the index only if no
+        other writer changed the entry meanwhile (else retried: no update is lost). `update` runs in the
+        writer thread and may run more than once."""
+        self._enqueue(("merge", key, update), len(key) + _OP_OVERHEAD_BYTES)
+
+    def count_corrupt(self, key: str | None = None) -> None:
+        """The caller found a value that failed record.decode: count it, and (given its key) queue the
+        removal of its index entry and payload."""
+        with self._lock:
+            self._c["corrupt"] += 1
+        payload = self._last_payloads.get(key) if key is not None else None
+        if payload is not None:
+            self._enqueue(("drop", key, payload), len(key) + _OP_OVERHEAD_BYTES)
+
+    def _write_loop(self) -> None:
+        while True:
+            try:
+                item = self._queue.get(timeout=_REMOVE_RETRY_S if self._removals else None)
+            except queue.Empty:
+                self._run_removals()
+                continue
+            if item is None:
+                return
+            op, nbytes = item
+            try:
+                if op[0] != "drop" and (time.monotonic() < self._payload_down_until or not self._index_ready()):
+                    with self._lock:
+                        self._c["writes_dropped"] += 1
+                elif not self._send(op):
+                    with self._lock:
+                        self._c["writes_dropped"] += 1
+            except Exception:                     # noqa: BLE001 - a caller's update() raising, a bug here
+                log.exception("Mooncake tier %s: %s of %r failed", self.where, op[0], op[1])
+                with self._lock:
+                    self._c["writes_dropped"] += 1
+            finally:
+                with self._lock:
+                    self._pending_bytes -= nbytes
+                    self._pending_ops -= 1
+                    if self._pending_ops == 0:
+                        self._idle.notify_all()
+            if self._removals:
+                self._run_removals()
+
+    def _send(self, op: tuple) -> bool:
+        """One queued write; False when it was not done (counted by the caller)."""
+        kind, key = op[0], op[1]
+        try:
+            if kind == "put":
+                return self._put(key, op[2], op[3])
+            if kind == "merge":
+                return self._cas(key, op[2])
+            return self._drop(key, op[2])
+        except (redis.RedisError, OSError) as e:
+            self._index_failed(kind.upper(), e)
+            return False
+
+    def _put_payload(self, key: str, version: int, value: bytes | memoryview | SegmentRecord) -> tuple[str, int] | None:
+        """Write `value` under a fresh payload key through the write buffer; (payload key, bytes) or None."""
+        if self._client is None and not self._payload_ready():
+            return None
+        payload = self._payload_key(key, version)
+        box: list[int] = []
+
+        def put():
+            if isinstance(value, SegmentRecord):
+                self._write_buf.ensure(self._client, value.nbytes + 4096)
+                n = encode_into(value, self._write_buf.view(0, self._write_buf.size))
+            else:
+                n = len(value)
+                self._write_buf.ensure(self._client, n)
+                self._write_buf.view(0, n)[:] = value
+            box.append(n)
+            return self._client.put_from(payload, self._write_buf.ptr, n)
+        size = value.nbytes + 4096 if isinstance(value, SegmentRecord) else len(value)
+        try:
+            rc = self._writer_io.call(put, _deadline(self.timeout_s, size))
+        except (OSError, TimeoutError, _Busy, RuntimeError) as e:
+            self._payload_failed("put_from", e)
+            return None
+        if rc != 0:
+            self._payload_failed("put_from", OSError(f"error {rc}"))
+            return None
+        self._payload_ok()
+        with self._lock:
+            self._c["bytes_written"] += box[0]
+        return payload, box[0]
+
+    def _put(self, key: str, value, only_if_absent: bool) -> bool:
+        if only_if_absent and self._index.exists(key):
+            return True                                   # present: nothing to send
+        done = self._put_payload(key, 1, value)
+        if done is None:
+            return False
+        payload, n = done
+        entry = json.dumps({"p": payload, "n": n, "v": 1})
+        if only_if_absent:
+            if not self._index.set(key, entry, nx=True):   # another replica won the race: keep its record
+                self._schedule_removal(payload)
+        else:
+            old = self._entry(self._index.set(key, entry, get=True))
+            if old is not None:
+                self._schedule_removal(old["p"])
+        self._index_ok()
+        return True
+
+    def _read_current(self, entry: dict) -> memoryview | None | bool:
+        """The payload of `entry` in the merge buffer; None if it is gone; False on failure."""
+        def get():
+            self._merge_buf.ensure(self._client, entry["n"])
+            return self._client.get_into(entry["p"], self._merge_buf.ptr, entry["n"])
+        try:
+            rc = self._writer_io.call(get, _deadline(self.timeout_s, entry["n"]))
+        except (OSError, TimeoutError, _Busy, RuntimeError) as e:
+            self._payload_failed("get_into", e)
+            return False
+        if rc == _OBJECT_NOT_FOUND:
+            with self._lock:
+                self._c["stale"] += 1
+            return None
+        if rc < 0:
+            self._payload_failed("get_into", OSError(f"error {rc}"))
+            return False
+        return self._merge_buf.view(0, rc)
+
+    def _cas(self, key: str, update: Callable) -> bool:
+        if self._client is None and not self._payload_ready():
+            return False
+        with self._index.pipeline(transaction=True) as pipe:
+            for attempt in range(_CAS_MAX_ATTEMPTS):
+                payload = None
+                try:
+                    pipe.watch(key)
+                    entry = self._entry(pipe.get(key))
+                    current = None if entry is None else self._read_current(entry)
+                    if current is False:
+                        pipe.reset()
+                        return False
+                    new = update(current)
+                    if new is None:
+                        pipe.reset()
+                        return True
+                    version = 1 if entry is None else int(entry.get("v", 0)) + 1
+                    done = self._put_payload(key, version, new)
+                    if done is None:
+                        pipe.reset()
+                        return False
+                    payload, n = done
+                    pipe.multi()
+                    pipe.set(key, json.dumps({"p": payload, "n": n, "v": version}))
+                    pipe.execute()
+                except redis.WatchError:
+                    if payload is not None:
+                        self._schedule_removal(payload)
+                    with self._lock:
+                        self._c["cas_retries"] += 1
+                    pipe.reset()
+                    time.sleep(random.uniform(0, 0.001 * min(attempt + 1, 8)))
+                    continue
+                self._index_ok()
+                if entry is not None:
+                    self._schedule_removal(entry["p"])
+                return True
+        log.warning("Mooncake tier %s: merge of %r gave up after %d conflicting attempts",
+                    self.where, key, _CAS_MAX_ATTEMPTS)
+        return False
+
+    def _drop(self, key: str, payload: str) -> bool:
+        """Remove the index entry of `key` if it still names `payload` (stale or corrupt), and the payload."""
+        with self._index.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(key)
+                entry = self._entry(pipe.get(key))
+                if entry is not None and entry["p"] == payload:
+                    pipe.multi()
+                    pipe.delete(key)
+                    pipe.execute()
+                else:
+                    pipe.reset()
+            except redis.WatchError:                        # rewritten meanwhile: no longer ours to drop
+                pass
+        self._index_ok()
+        self._schedule_removal(payload)
+        return True
+
+    def _schedule_removal(self, payload: str, attempts: int = 0) -> None:
+        """Remove a payload no index entry names any more: now if no reader holds a lease on it, else
+        later (a reader may still be fetching it); after _REMOVE_MAX_ATTEMPTS Mooncake's own eviction
+        takes it."""
+        self._removals.append((time.monotonic() + (_REMOVE_RETRY_S if attempts else 0.0), payload, attempts))
+
+    def _run_removals(self) -> None:
+        now = time.monotonic()
+        due = [r for r in self._removals if r[0] <= now]
+        if not due or self._client is None or now < self._payload_down_until:
+            return
+        self._removals = [r for r in self._removals if r[0] > now]
+        for _, payload, attempts in due:
+            try:
+                rc = self._writer_io.call(lambda p=payload: self._client.remove(p), self.timeout_s)
+            except (OSError, TimeoutError, _Busy, RuntimeError) as e:
+                self._payload_failed("remove", e)
+                rc = None
+            if (rc is None or rc == _OBJECT_HAS_LEASE) and attempts + 1 < _REMOVE_MAX_ATTEMPTS:
+                self._schedule_removal(payload, attempts + 1)
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every queued write was sent (or dropped); False on timeout. Old payloads whose
+        removal waits for a reader's lease are not waited for."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._pending_ops:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self) -> None:
+        """Send what is queued, stop the writer, close the index connection and the Mooncake client (its
+        segment leaves the store: the payloads it held are gone). Idempotent; never waits on a dead
+        master for more than the timeout."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.put(None)
+        self._writer.join(timeout=max(5.0, 4 * self.timeout_s))
+        self._index.close()
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                self._writer_io.call(client.close, 2 * self.timeout_s)
+            except (OSError, TimeoutError, _Busy, RuntimeError) as e:
+                log.warning("Mooncake tier %s: close did not finish (%s); left to its thread", self.where, e)
+        self._reader.stop()
+        self._writer_io.stop()
+
+    # ---- metrics ------------------------------------------------------------------------------
+    def stats(self) -> MooncakeTierStats:
+        with self._lock:
+            return MooncakeTierStats(**self._c, fetch_seconds_total=self._fetch_seconds,
+                                     up=self._index_up and self._payload_up, index_up=self._index_up,
+                                     payload_up=self._payload_up)
+
+    def __repr__(self) -> str:
+        return f"MooncakeTier({self.url}, index={self.index_where})"
