@@ -24,6 +24,33 @@ def ewma(old: float | None, sample: float) -> float:
     return sample if old is None else (1 - _EWMA_ALPHA) * old + _EWMA_ALPHA * sample
 
 
+# a read that moved less than this is a latency sample (its transfer time is negligible)
+SMALL_READ_BYTES = 16 << 10
+
+
+@dataclass
+class TransferEstimate:
+    """A tier's measured read cost: latency per round trip and bandwidth, as EWMAs of its reads.
+    Not locked: each tier updates and reads it under its own lock."""
+    latency: float | None = None          # seconds per round trip with next to no payload
+    _bytes: float | None = None           # EWMAs of bytes and transfer seconds: their ratio is the
+    _seconds: float | None = None         # size-weighted bandwidth
+
+    def observe(self, seconds: float, nbytes: int) -> None:
+        """One read of `nbytes` that took `seconds`. The first read seeds the latency even when large
+        (an overestimate the next small read corrects; a store's first reads are mostly misses anyway)."""
+        if nbytes < SMALL_READ_BYTES or self.latency is None:
+            self.latency = ewma(self.latency, seconds if nbytes < SMALL_READ_BYTES else seconds / 2)
+        if nbytes > 0:
+            self._bytes = ewma(self._bytes, float(nbytes))
+            self._seconds = ewma(self._seconds, max(seconds - self.latency, seconds / 2))
+
+    @property
+    def bandwidth(self) -> float | None:
+        """Bytes/s of reads that returned data (latency excluded); None before any."""
+        return None if self._bytes is None or not self._seconds else self._bytes / self._seconds
+
+
 @dataclass
 class FetchDecision:
     fetch: bool

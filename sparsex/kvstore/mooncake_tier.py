@@ -52,7 +52,7 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from sparsex.kvstore.fetch_policy import ewma
+from sparsex.kvstore.fetch_policy import TransferEstimate
 from sparsex.kvstore.record import SegmentRecord, encode_into
 from sparsex.kvstore.redis_tier import _redact
 from sparsex.kvstore.redis_tier import parse_url as parse_redis_url
@@ -71,7 +71,6 @@ _OBJECT_NOT_FOUND = -704
 _OBJECT_HAS_LEASE = -706
 _LEASE_EXPIRED = -707                        # a read slower than the lease the master granted it
 
-_SMALL_READ_BYTES = 16 << 10                 # a read that moved less: a latency sample
 _MIN_TRANSFER_BPS = 100e6                    # a transfer's deadline: timeout + bytes at this rate
 _ALIGN = 64                                  # records sit 64-byte aligned in the read buffer
 _CAS_MAX_ATTEMPTS = 64
@@ -322,9 +321,7 @@ class MooncakeTier:
         self._index_down_until = 0.0
         self._payload_down_until = 0.0
         self._index_up = self._payload_up = True
-        self._latency: float | None = None
-        self._bw_bytes: float | None = None
-        self._bw_seconds: float | None = None
+        self._cost = TransferEstimate()         # measured read latency and bandwidth (under the lock)
         self._last_payloads: dict[str, str] = {}      # key -> payload key of the last read (count_corrupt)
 
         self._client = None                           # mooncake.store.MooncakeDistributedStore once set up
@@ -496,30 +493,19 @@ class MooncakeTier:
             if raws is not None:
                 self._fetch_seconds += seconds
                 if read or not wanted:
-                    self._observe(seconds, nbytes)
+                    self._cost.observe(seconds, nbytes)
         for key, payload in stale:
             self._enqueue(("drop", key, payload), len(key) + _OP_OVERHEAD_BYTES)
         return out
 
-    def _observe(self, seconds: float, nbytes: int) -> None:
-        """(under the lock) latency and bandwidth EWMAs, as RedisTier's."""
-        if nbytes < _SMALL_READ_BYTES or self._latency is None:
-            self._latency = ewma(self._latency, seconds if nbytes < _SMALL_READ_BYTES else seconds / 2)
-        if nbytes > 0:
-            transfer = max(seconds - self._latency, seconds / 2)
-            self._bw_bytes = ewma(self._bw_bytes, float(nbytes))
-            self._bw_seconds = ewma(self._bw_seconds, transfer)
-
     def bandwidth(self) -> float | None:
         """Bytes/s of reads that returned data (size-weighted EWMA, latency excluded); None before any."""
         with self._lock:
-            if self._bw_bytes is None or not self._bw_seconds:
-                return None
-            return self._bw_bytes / self._bw_seconds
+            return self._cost.bandwidth
 
     def latency(self) -> float | None:
         """Seconds per lookup + fetch with next to no payload (EWMA); None before any."""
-        return self._latency
+        return self._cost.latency
 
     # ---- writes (write-behind) ----------------------------------------------------------------
     def _enqueue(self, op: tuple, nbytes: int) -> None:

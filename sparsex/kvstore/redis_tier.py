@@ -26,7 +26,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from sparsex.kvstore.fetch_policy import ewma
+from sparsex.kvstore.fetch_policy import TransferEstimate
 from sparsex.kvstore.record import SegmentRecord, encode
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 _SCHEMES = ("redis", "rediss")
 
 # A read that moved less than this is a latency sample (a round trip with next to no payload).
-_SMALL_READ_BYTES = 16 << 10
 # A merge's queued size (its value is made in the writer thread) and a DEL's, beyond the key.
 _OP_OVERHEAD_BYTES = 64
 _CAS_MAX_ATTEMPTS = 64
@@ -125,9 +124,7 @@ class RedisTier:
         self._up = True
         self._refusals: set[str] = set()        # kinds of command the server refused (logged once each)
         self._down_until = 0.0                  # time.monotonic() before which no round trip is tried
-        self._latency: float | None = None
-        self._bw_bytes: float | None = None     # EWMAs of bytes and transfer seconds: their ratio is the
-        self._bw_seconds: float | None = None   # size-weighted bandwidth
+        self._cost = TransferEstimate()         # measured read latency and bandwidth (under the lock)
 
         self._queue: queue.Queue = queue.Queue()
         self._pending_bytes = 0
@@ -202,26 +199,16 @@ class RedisTier:
             self._c["misses"] += len(values) - hits
             self._c["bytes_read"] += nbytes
             self._fetch_seconds += seconds
-            if nbytes < _SMALL_READ_BYTES or self._latency is None:
-                # The first read seeds the latency even when large (an overestimate the next small
-                # read corrects; a store's first reads are mostly misses anyway).
-                self._latency = ewma(self._latency, seconds if nbytes < _SMALL_READ_BYTES
-                                      else seconds / 2)
-            if nbytes > 0:
-                transfer = max(seconds - self._latency, seconds / 2)
-                self._bw_bytes = ewma(self._bw_bytes, float(nbytes))
-                self._bw_seconds = ewma(self._bw_seconds, transfer)
+            self._cost.observe(seconds, nbytes)
 
     def bandwidth(self) -> float | None:
         """Bytes/s of reads that returned data (size-weighted EWMA, latency excluded); None before any."""
         with self._lock:
-            if self._bw_bytes is None or not self._bw_seconds:
-                return None
-            return self._bw_bytes / self._bw_seconds
+            return self._cost.bandwidth
 
     def latency(self) -> float | None:
         """Seconds per round trip (EWMA); None before any successful read."""
-        return self._latency
+        return self._cost.latency
 
     # ---- writes (write-behind) ----------------------------------------------------------------
     def _enqueue(self, op: tuple, nbytes: int) -> None:
