@@ -4,6 +4,7 @@ any module may use them."""
 from __future__ import annotations
 
 import argparse
+import re
 
 
 def positive_int(text: str) -> int:
@@ -41,3 +42,14 @@ def int_pair(text: str) -> tuple[int, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected MIN:MAX (integers), got {text!r}") from None
     return lo, hi
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512M', '1G', '1.5GiB' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if not m:
+        raise ValueError(f"not a size: {text!r} (examples: 1073741824, 512M, 2G)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

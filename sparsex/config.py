@@ -4,13 +4,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-import re
 import types
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+
+from sparsex.arg_types import parse_bytes
+from sparsex.store_urls import parse_mooncake_url, parse_redis_url
 
 # Each choice list, declared once: for the knobs' `choices` and for every component that takes such
 # a value (the segment index's eviction policy, the shared store's fetch policy, ...).
@@ -180,20 +182,11 @@ def check_knobs(config: Any) -> None:
             check_knob(type(config), f, getattr(config, f.name))
 
 
-def parse_bytes(text: str) -> int:
-    """'1073741824', '512M', '1G', '1.5GiB' -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
-    if not m:
-        raise ValueError(f"not a size: {text!r} (examples: 1073741824, 512M, 2G)")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
-
-
 def parse_ratio(text: str) -> float | str:
     """A recompute_ratio on the command line: a number, or "auto"."""
     return AUTO if text.strip().lower() == AUTO else float(text)
 
 
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 @dataclass
@@ -432,7 +425,6 @@ class EngineConfig:
         if index is not None and not isinstance(index, str):
             raise ValueError(f"segment_index must be a redis:// or rediss:// URL, got {index!r}")
         if isinstance(store, str) and store.startswith("mooncake://"):
-            from sparsex.kvstore.mooncake_tier import parse_url as parse_mooncake_url
             parse_mooncake_url(store)
             if index is None:
                 raise ValueError(f"segment_store {store!r} keeps its payloads in Mooncake and its index in Redis: "
@@ -441,7 +433,6 @@ class EngineConfig:
             raise ValueError(f"segment_index {index!r} is the index of a mooncake:// segment_store, got "
                              f"segment_store={store!r}")
         if index is not None:
-            from sparsex.kvstore.redis_tier import parse_url as parse_redis_url
             parse_redis_url(index)
 
     @property

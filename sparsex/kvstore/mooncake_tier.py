@@ -45,7 +45,6 @@ import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
-from urllib.parse import parse_qsl, urlsplit
 
 import redis
 import torch
@@ -54,17 +53,12 @@ from redis.retry import Retry
 
 from sparsex.kvstore.fetch_policy import TransferEstimate
 from sparsex.kvstore.record import SegmentRecord, encode_into
-from sparsex.kvstore.redis_tier import _redact
-from sparsex.kvstore.redis_tier import parse_url as parse_redis_url
+from sparsex.store_urls import parse_mooncake_url as parse_url
+from sparsex.store_urls import parse_redis_url
+from sparsex.store_urls import redact as _redact
 
 log = logging.getLogger(__name__)
 
-_PROTOCOLS = ("tcp", "rdma")
-_OPTIONS = ("metadata", "protocol", "device", "segment", "buffer", "host", "timeout")
-DEFAULT_PORT = 50051                         # mooncake_master's default RPC port
-DEFAULT_SEGMENT_BYTES = 512 << 20
-DEFAULT_BUFFER_BYTES = 16 << 20
-DEFAULT_TIMEOUT_S = 1.0
 
 # Mooncake's error codes (negative returns of the client's calls) that mean something here
 _OBJECT_NOT_FOUND = -704
@@ -104,60 +98,6 @@ class StoreUnavailable(RuntimeError):
 
 class _Busy(RuntimeError):
     """An earlier call on this worker has not returned yet (a hung store)."""
-
-
-def parse_url(url: str) -> dict:
-    """Check a `mooncake://master:port?metadata=http://host:port/metadata&protocol=tcp` url; ValueError
-    naming it if bad. Options: protocol (tcp | rdma), device (RDMA device names, with rdma), segment
-    (bytes of this replica's memory in the store: 512M), buffer (the client's own transfer buffer: 16M),
-    host (the address other clients reach this one at; default: the one that routes to the master),
-    timeout (seconds a store call may take before the tier counts it failed: 1.0)."""
-    from sparsex.config import parse_bytes
-
-    shown = repr(url)
-    form = "expected mooncake://master:port?metadata=http://host:port/metadata&protocol=tcp"
-    if not isinstance(url, str) or not url:
-        raise ValueError(f"bad Mooncake url {shown}: {form}")
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as e:
-        raise ValueError(f"bad Mooncake url {shown}: {e}") from None
-    if parts.scheme != "mooncake":
-        raise ValueError(f"bad Mooncake url {shown}: scheme must be mooncake://")
-    if not parts.hostname:
-        raise ValueError(f"bad Mooncake url {shown}: no master host; {form}")
-    if parts.path not in ("", "/") or parts.fragment or parts.username or parts.password:
-        raise ValueError(f"bad Mooncake url {shown}: only mooncake://master:port?options; {form}")
-    options = dict(parse_qsl(parts.query, keep_blank_values=True))
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise ValueError(f"bad Mooncake url {shown}: options {unknown} are not taken (known: {', '.join(_OPTIONS)})")
-    metadata = options.get("metadata", "")
-    try:
-        meta = urlsplit(metadata)
-        meta_ok = meta.scheme in ("http", "https") and bool(meta.hostname) and meta.port is not None
-    except ValueError:
-        meta_ok = False
-    if not meta_ok:
-        raise ValueError(f"bad Mooncake url {shown}: metadata must be the master's HTTP metadata server, "
-                         f"http://host:port/metadata (mooncake_master --enable_http_metadata_server=true)")
-    protocol = options.get("protocol", "tcp")
-    if protocol not in _PROTOCOLS:
-        raise ValueError(f"bad Mooncake url {shown}: protocol must be one of {_PROTOCOLS}, got {protocol!r}")
-    if options.get("device") and protocol != "rdma":
-        raise ValueError(f"bad Mooncake url {shown}: device names RDMA devices; it needs protocol=rdma")
-    try:
-        segment = parse_bytes(options["segment"]) if "segment" in options else DEFAULT_SEGMENT_BYTES
-        buffer = parse_bytes(options["buffer"]) if "buffer" in options else DEFAULT_BUFFER_BYTES
-        timeout = float(options.get("timeout", DEFAULT_TIMEOUT_S))
-    except ValueError as e:
-        raise ValueError(f"bad Mooncake url {shown}: {e}") from None
-    if not timeout > 0:
-        raise ValueError(f"bad Mooncake url {shown}: timeout must be > 0 seconds, got {timeout}")
-    return {"master": f"{parts.hostname}:{port or DEFAULT_PORT}", "master_host": parts.hostname,
-            "metadata": metadata, "protocol": protocol, "device": options.get("device", ""),
-            "segment": segment, "buffer": buffer, "host": options.get("host") or None, "timeout": timeout}
 
 
 @functools.cache

@@ -20,7 +20,6 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
-from urllib.parse import parse_qsl, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -28,10 +27,10 @@ from redis.retry import Retry
 
 from sparsex.kvstore.fetch_policy import TransferEstimate
 from sparsex.kvstore.record import SegmentRecord, encode
+from sparsex.store_urls import parse_redis_url as parse_url
+from sparsex.store_urls import redact as _redact
 
 log = logging.getLogger(__name__)
-
-_SCHEMES = ("redis", "rediss")
 
 # A read that moved less than this is a latency sample (a round trip with next to no payload).
 # A merge's queued size (its value is made in the writer thread) and a DEL's, beyond the key.
@@ -52,49 +51,6 @@ class RedisTierStats:
     cas_retries: int = 0          # merge attempts lost to a concurrent writer (WatchError), retried
     fetch_seconds_total: float = 0.0
     up: bool = True               # the last round trip succeeded (or none failed yet)
-
-
-def _redact(url: str) -> str:
-    """The url without its password (error messages and logs must not show it)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable url>"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return parts._replace(netloc=f"{user}:***@{host}").geturl()
-
-
-def parse_url(url: str) -> dict:
-    """Check a `redis://[user:password@]host:port/db` url (or rediss://, optionally ?ssl_...=...);
-    ValueError naming it (password hidden) if bad. A password with special characters is %-encoded."""
-    shown = _redact(url) if isinstance(url, str) else repr(url)
-    if not isinstance(url, str) or not url:
-        raise ValueError(f"bad Redis url {shown}: expected redis://[user:password@]host:port/db")
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as e:
-        raise ValueError(f"bad Redis url {shown}: {e}") from None
-    if parts.scheme not in _SCHEMES:
-        raise ValueError(f"bad Redis url {shown}: scheme must be one of {', '.join(s + '://' for s in _SCHEMES)}")
-    if not parts.hostname:
-        raise ValueError(f"bad Redis url {shown}: no host")
-    db = parts.path.strip("/") or "0"
-    if not db.isdigit():
-        raise ValueError(f"bad Redis url {shown}: the path must be a database number, got {parts.path!r}")
-    if parts.fragment:
-        raise ValueError(f"bad Redis url {shown}: no '#' part is taken")
-    # The tier sets its own timeouts and retries (redis-py lets url options override them); rediss://
-    # may carry TLS options (?ssl_cert_reqs=none, ?ssl_ca_certs=/path).
-    options = parse_qsl(parts.query, keep_blank_values=True)
-    bad = [name for name, _ in options if parts.scheme != "rediss" or not name.startswith("ssl_")]
-    if bad:
-        raise ValueError(f"bad Redis url {shown}: options {bad} are not taken (rediss:// takes ssl_* options)")
-    return {"scheme": parts.scheme, "host": parts.hostname, "port": port or 6379, "db": int(db),
-            "username": parts.username or None, "password": parts.password}
 
 
 class RedisTier:
