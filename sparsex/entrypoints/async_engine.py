@@ -158,7 +158,8 @@ class AsyncLLM:
         if metrics is None:
             # without segment reuse there is no profile table to report
             source = engine.reuse_profiles.source if reuse is not None else "built-in"
-            store_tier = engine.store.remote_kind if engine.store is not None and engine.store.remote_kind else "redis"
+            store = engine.config.segment_store
+            store_tier = "mooncake" if isinstance(store, str) and store.startswith("mooncake://") else "redis"
             metrics = ServerMetrics(engine.model_name, reuse=reuse, reuse_profile_source=source, store_tier=store_tier)
         self.metrics = metrics
         # immutable engine facts, safe to read from any thread
