@@ -19,8 +19,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +27,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from sparsex.bench.server_process import ServerProcess
 from sparsex.bench.redis_server import free_port
 
 
@@ -51,7 +50,7 @@ def available() -> bool:
     return binary() is not None
 
 
-class MooncakeMaster:
+class MooncakeMaster(ServerProcess):
     """One mooncake_master process with its embedded HTTP metadata server (no etcd). `lease_ms` is the
     master's default_kv_lease_ttl (an object just read cannot be removed before it ends; Mooncake's
     default is 10 s, tests use less). `exe`: the binary (default: `binary()`)."""
@@ -135,52 +134,6 @@ class MooncakeMaster:
                 self.stop()
                 raise RuntimeError(f"mooncake_master on port {self.rpc_port} was not ready in {self.start_timeout_s}s")
             time.sleep(0.02)
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """SIGTERM, wait, then SIGKILL: by pid, only this master."""
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)       # a paused master cannot act on SIGTERM
-            proc.terminate()
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout_s)
-
-    def kill(self) -> None:
-        """A crash: SIGKILL, no shutdown."""
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(5)
-
-    def pause(self) -> None:
-        """SIGSTOP: the ports stay open and nothing answers (a hung master)."""
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        os.kill(self.proc.pid, signal.SIGCONT)
-
-    def restart(self) -> "MooncakeMaster":
-        self.stop()
-        return self.start()
-
-    def close(self) -> None:
-        self.stop()
-        shutil.rmtree(self._dir, ignore_errors=True)
-
-    def __enter__(self) -> "MooncakeMaster":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 _HOLDER = """

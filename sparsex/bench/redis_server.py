@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -22,6 +21,8 @@ import time
 from pathlib import Path
 
 import redis
+
+from sparsex.bench.server_process import ServerProcess
 
 _SBIN = ("/usr/sbin", "/usr/local/sbin", "/usr/bin", "/usr/local/bin")
 
@@ -41,7 +42,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class RedisServer:
+class RedisServer(ServerProcess):
     """One redis-server process. `password` sets requirepass (the default user's password); `acl_users`
     maps a user name to (password, ACL rules, e.g. "~sparsex:shared:* +@all"). `maxmemory` ("2mb")
     comes with `policy` (allkeys-lru by default). `exe`: the redis-server binary (default: `binary()`)."""
@@ -118,47 +119,3 @@ class RedisServer:
                 time.sleep(0.01)
         finally:
             probe.close()
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """SIGTERM, wait, then SIGKILL: by pid, only this server."""
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout_s)
-        if proc.stderr:
-            proc.stderr.close()
-
-    def kill(self) -> None:
-        """A crash: SIGKILL, no shutdown (the port refuses connections once this returns)."""
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(5)
-        if proc.stderr:
-            proc.stderr.close()
-
-    def restart(self) -> "RedisServer":
-        self.stop()
-        return self.start()
-
-    def close(self) -> None:
-        self.stop()
-        shutil.rmtree(self._dir, ignore_errors=True)
-
-    def __enter__(self) -> "RedisServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
