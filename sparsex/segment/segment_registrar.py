@@ -27,7 +27,7 @@ from sparsex.cache.slot_mapping import block_ids, slot_mapping
 from sparsex.inputs import SegmentSpan
 from sparsex.layers.triton_rerotate import merge_rerotated_all_layers_torch
 from sparsex.segment.segment_request import SegmentRequest
-from sparsex.segment.reuse_planner import early, too_early_for
+from sparsex.segment.reuse_planner import early, fresh_intervals, too_early_for
 from sparsex.segment.segment_index import SegmentEntry, SegmentIndex
 from sparsex.segment.segment_tiers import SegmentTiers
 
@@ -113,17 +113,3 @@ class SegmentRegistrar:
     def _publish(self, entry: SegmentEntry | None) -> None:
         if entry is not None and self.store is not None:
             self.store.publish(entry)
-
-
-def fresh_intervals(start: int, end: int, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """[start, end) minus the `taken` intervals, as sorted disjoint intervals."""
-    out, at = [], start
-    for a, b in sorted(taken):
-        if b <= at or a >= end:
-            continue
-        if a > at:
-            out.append((at, a))
-        at = max(at, b)
-    if at < end:
-        out.append((at, end))
-    return out
