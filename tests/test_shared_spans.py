@@ -130,3 +130,17 @@ def test_redis_down_recomputes(smollm2, redis_server, passage):
     st = b.llm_engine.stats().store
     assert st.remote_errors > 0 and not st.remote_up and st.span_installed == 0
     a.llm_engine.close(), b.llm_engine.close()
+
+
+def test_prometheus_counts_span_records_by_outcome():
+    from sparsex.engine.llm_engine import EngineStats
+    from sparsex.kvstore.segment_store import StoreStats
+    from sparsex.metrics import ServerMetrics
+    m = ServerMetrics("m")
+    base = dict(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_blocks=1, prefix_cache_queries=0,
+                prefix_cache_hits=0, approx_prefix_hits=0, num_preemptions=0)
+    m.on_stats(EngineStats(**base, store=StoreStats(span_records_published=3, span_installed=2, span_rejected=1)))
+    text = m.render().decode()
+    for outcome, n in (("published", 3), ("installed", 2), ("rejected", 1)):
+        line = f'sparsex:segment_store_span_records_total{{model_name="m",outcome="{outcome}"}} {n:.1f}'
+        assert line in text, line
