@@ -176,10 +176,11 @@ class SegmentStore:
         self.host.put(self.key(entry.tokens, entry.cache_salt), self._record(entry, host))
 
     def publish(self, entry: SegmentEntry) -> None:
-        """A new explicit entry: write it to the shared store unless a record is there already. The
-        K/V are copied on the device now (the blocks may be reused later); serialising and sending
-        happen in the writer thread."""
-        if self.remote is None or not entry.explicit:
+        """A new explicit entry (or, sharing spans, a stretch a blended request computed in full,
+        indexed for transparent reuse): write it to the shared store unless a record is there
+        already. The K/V are copied on the device now (the blocks may be reused later); serialising
+        and sending happen in the writer thread."""
+        if self.remote is None or not (entry.explicit or self.anchors is not None):
             return
         kv = self._gather(entry.blocks, entry.start_pos, len(entry), entry.start_pos // self.kv.block_size)
         key = self.key(entry.tokens, entry.cache_salt)

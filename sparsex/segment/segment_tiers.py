@@ -17,7 +17,7 @@ class SegmentTiers(Protocol):
         ...
 
     def publish(self, entry: SegmentEntry) -> None:
-        """A new entry: write it to the shared tier."""
+        """A new entry: write it to the shared tier (explicit ones; found stretches too when it shares spans)."""
         ...
 
     def publish_merge(self, entry: SegmentEntry, blocks: list[KVCacheBlock], start: int) -> None:
