@@ -92,12 +92,13 @@ def test_a_forced_anchor_collision_never_reuses_wrong_kv(smollm2, redis_server, 
     client = redis_server.client()
     rec_key = next(k.decode() for k in client.keys("sparsex:*") if ANCHOR_TAG not in k.decode())
     prefix, seg = record_prefix(rec_key)
-    # every anchor of the passage's prompt points at that record
+    # every anchor of the passage's prompt points at that record, all at one alignment (as a record holding
+    # the whole prompt would): the strongest proposal a forged index can make
     p3 = _message(3, passage, "When did it happen?")
     ids = b.llm_engine.tokenizer.encode(p3, add_special_tokens=False)
-    _, hashes = anchors(np.asarray(ids, dtype=np.int32))
-    for h in hashes.tolist():
-        client.lpush(f"{prefix}{ANCHOR_TAG}{h:016x}", f"{seg}:0:1000")
+    pos, hashes = anchors(np.asarray(ids, dtype=np.int32))
+    for p, h in zip(pos.tolist(), hashes.tolist()):
+        client.lpush(f"{prefix}{ANCHOR_TAG}{h:016x}", f"{seg}:{p - int(pos[0])}:1000")
     out = _chat(b, p3)
     st = b.llm_engine.stats().store
     assert st.span_candidates == 1 and st.span_rejected == 1 and st.span_installed == 0

@@ -350,14 +350,15 @@ class SegmentStore:
         shared store that other replicas published and that hold a run of at least `min_tokens`
         tokens of prompt[a:b] for an interval (a, b) of `intervals` (the stretches no local source
         serves). The prompt's anchors there are looked up in one round trip; the records they propose
-        (the most-voted first, at most MAX_SPAN_FETCH) are fetched when the fetch policy finds it
+        (the most-voted first, at most MAX_SPAN_FETCH, each only if its anchors on one alignment span at
+        least `min_tokens` tokens) are fetched when the fetch policy finds it
         cheaper than recomputing, and installed only if their tokens equal the prompt's at the
         aligned offset for at least `min_tokens` tokens (a forced or chance collision is rejected and
         counted). Returns how many were installed; never raises for store trouble."""
         if self.anchors is None or not intervals:
             return 0
         from sparsex.kvstore.anchor_index import record_prefix
-        from sparsex.segment.span_index import anchors
+        from sparsex.segment.span_index import KGRAM, anchors
         positions, hashes = [], []
         for a, b in intervals:
             pos, h = anchors(prompt[a:b])
@@ -369,14 +370,21 @@ class SegmentStore:
         t0 = time.perf_counter()
         refs = self.anchors.lookup(prefix, hashes)
         self._span["lookups"] += 1
-        votes: dict[str, dict[int, int]] = {}      # segment hash -> {prompt position of its token 0: votes}
+        # segment hash -> {alignment (prompt position of its token 0): [votes, first, last anchor position]}
+        votes: dict[str, dict[int, list[int]]] = {}
         lengths: dict[str, int] = {}
         for p, rs in zip(positions, refs):
             for r in rs:
-                diag = votes.setdefault(r.segment_hash, {})
-                diag[p - r.offset] = diag.get(p - r.offset, 0) + 1
+                v = votes.setdefault(r.segment_hash, {}).setdefault(p - r.offset, [0, p, p])
+                v[0], v[1], v[2] = v[0] + 1, min(v[1], p), max(v[2], p)
                 lengths[r.segment_hash] = r.length
-        ranked = sorted(votes, key=lambda seg: -max(votes[seg].values()))[:MAX_SPAN_FETCH]
+        # an alignment whose anchors span fewer than min_tokens tokens proposes no run worth a fetch (a
+        # short phrase every prompt repeats): the payload is not moved for it
+        for seg in list(votes):
+            votes[seg] = {d: v for d, v in votes[seg].items() if v[2] - v[1] + KGRAM >= min_tokens}
+            if not votes[seg]:
+                del votes[seg]
+        ranked = sorted(votes, key=lambda seg: -max(v[0] for v in votes[seg].values()))[:MAX_SPAN_FETCH]
         free = sum(b - a for a, b in intervals)
         wanted = []
         for seg in ranked:
@@ -410,7 +418,7 @@ class SegmentStore:
                 continue
             self._span["candidates"] += 1
             if not any(_verified_run(prompt, record.token_ids, d, intervals) >= min_tokens
-                       for d in sorted(votes[seg], key=lambda d: -votes[seg][d])):
+                       for d in sorted(votes[seg], key=lambda d: -votes[seg][d][0])):
                 self._span["rejected"] += 1
                 continue
             entry = self.install(record, index)
