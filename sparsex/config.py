@@ -365,6 +365,11 @@ class EngineConfig:
                                            "metadata&protocol=tcp with segment_index (cache=sparsex; docs/deploy.md)")
     segment_index: str | None = knob(None, "the Redis index of a mooncake:// segment_store: redis://[user:password@]"
                                            "host:port/db")
+    segment_store_spans: bool = knob(False, "share spans found by content between replicas: the shared store also "
+                                            "gets the stretches this replica reuses by content (what recurs) and "
+                                            "every published record's content anchors (in Redis), and a prompt's "
+                                            "stretches no local source serves are looked up there, fetched and "
+                                            "verified token by token (needs segment_store; docs/deploy.md)")
     host_kv_cache_memory: int = knob(0, "bytes of host memory that keep segment entries evicted from the KV pool "
                                         "(0 = none; CLI: 512M, 2G, ...)", ge=0, parse=parse_bytes)
     segment_store_fetch: str = knob("auto", "when to fetch a span from the shared store: auto (when cheaper "
@@ -411,6 +416,8 @@ class EngineConfig:
             if self.reuse is not None and self.reuse.recompute_ratio == AUTO:
                 raise ValueError("quality_target moves a fixed recompute_ratio; it cannot be combined with "
                                  "recompute_ratio='auto'")
+        if self.segment_store_spans and self.segment_store is None:
+            raise ValueError("segment_store_spans shares spans through the shared store: it needs segment_store")
         if (self.segment_store is not None or self.host_kv_cache_memory) and self.cache != "sparsex":
             raise ValueError(f"segment_store / host_kv_cache_memory hold segment entries: they need cache='sparsex', "
                              f"got cache={self.cache!r}")

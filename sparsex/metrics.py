@@ -65,6 +65,8 @@ _STORE_COUNTERS = {
                                                              "by the store, or lost with a restarted master)."),
 }
 _STORE_DECISIONS = {"fetch_decisions": "fetch", "recompute_decisions": "recompute"}
+# spans found by content across replicas (segment_store_spans): records by outcome
+_STORE_SPANS = {"span_records_published": "published", "span_installed": "installed", "span_rejected": "rejected"}
 
 
 @dataclass
@@ -136,6 +138,10 @@ class ServerMetrics:
                             "Spans the shared store held, by choice: fetch (cheaper than recomputing) or recompute.",
                             lbl + ["decision"], registry=r)
         self._store_decisions = {field: decisions.labels(model_name, d) for field, d in _STORE_DECISIONS.items()}
+        spans = Counter(_PREFIX + "segment_store_span_records",
+                        "Records of spans found by content (segment_store_spans): published with their anchors, "
+                        "installed after the token check, or rejected by it.", lbl + ["outcome"], registry=r)
+        self._store_spans = {field: spans.labels(model_name, o) for field, o in _STORE_SPANS.items()}
         self.store_fetch = Counter(_PREFIX + "segment_store_fetch_seconds",
                                    "Seconds of shared-store round trips on the scheduling path.", lbl,
                                    registry=r).labels(model_name)
@@ -199,7 +205,7 @@ class ServerMetrics:
             self.controlled_ratio.set(stats.controlled_ratio)
         store = stats.store
         if store is not None:
-            for field, counter in {**self._store_counters, **self._store_decisions}.items():
+            for field, counter in {**self._store_counters, **self._store_decisions, **self._store_spans}.items():
                 self._add_delta("store." + field, getattr(store, field), counter.inc)
             self._add_delta("store.fetch_seconds", store.fetch_seconds, self.store_fetch.inc)
             self.store_up.set(1 if store.remote_up else 0)

@@ -112,7 +112,8 @@ class LLMEngine:
             self.store = SegmentStore(self.runner.device_kv(), fingerprint, host_bytes=config.host_kv_cache_memory,
                                       url=config.segment_store, index_url=config.segment_index,
                                       fetch=config.segment_store_fetch,
-                                      merge_cap=config.reuse.merge_encodings)
+                                      merge_cap=config.reuse.merge_encodings,
+                                      share_spans=config.segment_store_spans)
         del loaded
         # engine/quality_monitor.py: scores served answers in idle capacity (EngineConfig: cache="sparsex" only)
         self.quality_monitor = QualityMonitor(config.quality_sample, seed=config.seed) if config.quality_sample else None

@@ -17,6 +17,13 @@ every layer written, indexed, also for transparent reuse) before the request is 
 blending is unchanged. Token ids are verified on every hit, records are checksummed
 (`record.decode`), and keys carry the tenant, model, dtype and layout (`record.record_key`).
 
+Spans found by content across replicas (`share_spans`, EngineConfig.segment_store_spans): a
+published record's content anchors also go to a shared index in Redis (`anchor_index.AnchorIndex`),
+and what a replica publishes grows by the stretches it reuses by content locally (`publish_span`:
+only what recurs). A prompt's stretches that no local source serves are looked up there
+(`load_by_content`), the candidate records fetched and verified token by token against the prompt
+at the aligned offset before they are installed; the span search then finds them like any entry.
+
 Fetch or recompute: a remote fetch is taken only when `fetch_policy.FetchPolicy` expects it to be
 cheaper than recomputing the span (bytes / measured store bandwidth + round trip, against tokens /
 measured prefill throughput); the decisions are counted.
@@ -64,6 +71,33 @@ class StoreStats:
     fetch_decisions: int = 0           # spans fetched from the remote store
     recompute_decisions: int = 0       # spans the fetch policy left to recompute
     installed_tokens: int = 0          # tokens brought back into the device pool from a tier
+    # spans found by content across replicas (share_spans; anchor_index.py)
+    span_records_published: int = 0    # records published with their anchors
+    span_anchors_published: int = 0
+    span_lookups: int = 0              # prompts whose unserved stretches were looked up in the anchor index
+    span_candidates: int = 0           # records the anchors proposed and that were fetched
+    span_rejected: int = 0             # fetched candidates whose tokens did not match the prompt where aligned
+    span_installed: int = 0            # verified records installed as entries
+    span_installed_tokens: int = 0
+
+
+# the most records one prompt's anchor lookup fetches (the best-voted first)
+MAX_SPAN_FETCH = 8
+
+
+def _verified_run(prompt: np.ndarray, tokens: np.ndarray, diag: int, intervals: list[tuple[int, int]]) -> int:
+    """The longest run of prompt positions inside one of `intervals` whose token equals the record's
+    token aligned there (record token i at prompt position diag + i): what a hash proposed, checked."""
+    best = 0
+    for a, b in intervals:
+        lo, hi = max(a, diag), min(b, diag + len(tokens))
+        if hi - lo <= best:
+            continue
+        eq = np.concatenate([[False], prompt[lo:hi] == tokens[lo - diag:hi - diag], [False]])
+        edges = np.flatnonzero(eq[1:] != eq[:-1])          # run starts and ends, alternating
+        if len(edges):
+            best = max(best, int((edges[1::2] - edges[::2]).max()))
+    return best
 
 
 class SegmentStore:
@@ -72,7 +106,7 @@ class SegmentStore:
     ReuseConfig.merge_encodings (the most encodings a shared record averages)."""
 
     def __init__(self, kv: DeviceKV, model_fingerprint: str, *, host_bytes: int, url: str | None, fetch: str,
-                 merge_cap: int, index_url: str | None = None):
+                 merge_cap: int, index_url: str | None = None, share_spans: bool = False):
         self.kv = kv
         self.fingerprint = model_fingerprint
         self.merge_cap = merge_cap
@@ -87,6 +121,12 @@ class SegmentStore:
         elif url:
             from sparsex.kvstore.redis_tier import RedisTier
             self.remote, self.remote_kind = RedisTier(url), "redis"
+        self.anchors = None               # anchor_index.AnchorIndex: spans shared by content (share_spans)
+        if share_spans and self.remote is not None:
+            from sparsex.kvstore.anchor_index import AnchorIndex
+            self.anchors = AnchorIndex(index_url if self.remote_kind == "mooncake" else url)
+        self._published: set[str] = set()  # record keys this replica published or installed (not sent again)
+        self._span = {"lookups": 0, "candidates": 0, "rejected": 0, "installed": 0, "installed_tokens": 0}
         self.policy = FetchPolicy(fetch)
         self.fetch_seconds = 0.0
         self.installed_tokens = 0
@@ -136,13 +176,38 @@ class SegmentStore:
         self.host.put(self.key(entry.tokens, entry.cache_salt), self._record(entry, host))
 
     def publish(self, entry: SegmentEntry) -> None:
-        """A new explicit entry: write it to the shared store unless a record is there already. The
-        K/V are copied on the device now (the blocks may be reused later); serialising and sending
-        happen in the writer thread."""
-        if self.remote is None or not entry.explicit:
+        """A new explicit entry (or, sharing spans, a stretch a blended request computed in full,
+        indexed for transparent reuse): write it to the shared store unless a record is there
+        already. The K/V are copied on the device now (the blocks may be reused later); serialising
+        and sending happen in the writer thread."""
+        if self.remote is None or not (entry.explicit or self.anchors is not None):
             return
         kv = self._gather(entry.blocks, entry.start_pos, len(entry), entry.start_pos // self.kv.block_size)
-        self._jobs.put(("put", self.key(entry.tokens, entry.cache_salt), self._record(entry, kv)))
+        key = self.key(entry.tokens, entry.cache_salt)
+        self._published.add(key)
+        entry.shared = True
+        self._jobs.put(("put", key, self._record(entry, kv)))
+
+    @property
+    def shares_spans(self) -> bool:
+        return self.anchors is not None
+
+    def publish_span(self, token_ids: list[int], cache_salt: str | None, blocks, start_pos: int) -> None:
+        """A stretch this replica just reused by content (it recurred): `token_ids`, computed at
+        positions start_pos.. in `blocks` (blocks[0] holds start_pos's block), written to the shared
+        store as a record (explicit=False) with its anchors; once per record key. The K/V are copied
+        on the device now (the caller holds the blocks until then), sent by the writer thread."""
+        if self.anchors is None:
+            return
+        key = self.key(token_ids, cache_salt)
+        if key in self._published:
+            return
+        if len(self._published) > 1 << 20:        # a bound on the memory of what was sent (re-sending is harmless)
+            self._published.clear()
+        self._published.add(key)
+        kv = self._gather(blocks, start_pos, len(token_ids), start_pos // self.kv.block_size)
+        record = SegmentRecord(np.asarray(token_ids, dtype=np.int32), cache_salt, start_pos, 1, False, kv)
+        self._jobs.put(("put", key, record))
 
     def publish_merge(self, entry: SegmentEntry, blocks, start: int) -> None:
         """This replica computed another exact encoding of `entry`'s tokens at position `start` (its
@@ -164,6 +229,8 @@ class SegmentStore:
                 record.kv = record.kv.cpu()
                 if kind == "put":
                     self.remote.put_record(key, record, only_if_absent=True)
+                    if self.anchors is not None:
+                        self.anchors.publish(key, record.token_ids)
                 else:
                     self.remote.merge(key, lambda current, r=record: self._merged(current, r))
             except Exception:                       # a bad job must not stop the writer
@@ -208,6 +275,8 @@ class SegmentStore:
             self._jobs = None
         if self.remote is not None:
             self.remote.close()
+        if self.anchors is not None:
+            self.anchors.close()
 
     # ---- tiers -> device -----------------------------------------------------------------------
     def load(self, spans: list[tuple[list[int], str | None]], index: SegmentIndex) -> int:
@@ -275,6 +344,94 @@ class SegmentStore:
         self.fetch_seconds += time.perf_counter() - t0
         return out
 
+    def load_by_content(self, prompt: np.ndarray, intervals: list[tuple[int, int]], cache_salt: str | None,
+                        index: SegmentIndex, min_tokens: int) -> int:
+        """Spans found by content across replicas: install as entries of `index` the records of the
+        shared store that other replicas published and that hold a run of at least `min_tokens`
+        tokens of prompt[a:b] for an interval (a, b) of `intervals` (the stretches no local source
+        serves). The prompt's anchors there are looked up in one round trip; the records they propose
+        (the most-voted first, at most MAX_SPAN_FETCH, each only if its anchors on one alignment span at
+        least `min_tokens` tokens) are fetched when the fetch policy finds it
+        cheaper than recomputing, and installed only if their tokens equal the prompt's at the
+        aligned offset for at least `min_tokens` tokens (a forced or chance collision is rejected and
+        counted). Returns how many were installed; never raises for store trouble."""
+        if self.anchors is None or not intervals:
+            return 0
+        from sparsex.kvstore.anchor_index import record_prefix
+        from sparsex.segment.span_index import KGRAM, anchors
+        positions, hashes = [], []
+        for a, b in intervals:
+            pos, h = anchors(prompt[a:b])
+            positions += (pos + a).tolist()
+            hashes += h.tolist()
+        if not hashes:
+            return 0
+        prefix, _ = record_prefix(self.key([], cache_salt))
+        t0 = time.perf_counter()
+        refs = self.anchors.lookup(prefix, hashes)
+        self._span["lookups"] += 1
+        # segment hash -> {alignment (prompt position of its token 0): [votes, first, last anchor position]}
+        votes: dict[str, dict[int, list[int]]] = {}
+        lengths: dict[str, int] = {}
+        for p, rs in zip(positions, refs):
+            for r in rs:
+                v = votes.setdefault(r.segment_hash, {}).setdefault(p - r.offset, [0, p, p])
+                v[0], v[1], v[2] = v[0] + 1, min(v[1], p), max(v[2], p)
+                lengths[r.segment_hash] = r.length
+        # an alignment whose anchors span fewer than min_tokens tokens proposes no run worth a fetch (a
+        # short phrase every prompt repeats): the payload is not moved for it
+        for seg in list(votes):
+            votes[seg] = {d: v for d, v in votes[seg].items() if v[2] - v[1] + KGRAM >= min_tokens}
+            if not votes[seg]:
+                del votes[seg]
+        ranked = sorted(votes, key=lambda seg: -max(v[0] for v in votes[seg].values()))[:MAX_SPAN_FETCH]
+        free = sum(b - a for a, b in intervals)
+        wanted = []
+        for seg in ranked:
+            try:
+                if bytes.fromhex(seg) in index.entries:
+                    continue        # an entry here already (the record key ends with the entry's key)
+            except ValueError:
+                continue            # not a segment hash: nothing this engine wrote
+            n = lengths[seg]
+            decision = self.policy.decide(min(n, free), n * self.bytes_per_token, self.remote.bandwidth(),
+                                          self.remote.latency())
+            if decision.fetch:
+                wanted.append(seg)
+        if not wanted:
+            self.fetch_seconds += time.perf_counter() - t0
+            return 0
+        values = self.remote.get_many([prefix + seg for seg in wanted])
+        self.fetch_seconds += time.perf_counter() - t0
+        installed = 0
+        for seg, value in zip(wanted, values):
+            if value is None:
+                continue
+            key = prefix + seg
+            t_decode = time.perf_counter()
+            try:
+                record = decode(value, cache_salt)
+                self._check_shape(record)
+            except CorruptRecord as e:
+                logger.warning("dropping a corrupt segment record %s: %s", key, e)
+                self.remote.count_corrupt(key)
+                continue
+            self._span["candidates"] += 1
+            if not any(_verified_run(prompt, record.token_ids, d, intervals) >= min_tokens
+                       for d in sorted(votes[seg], key=lambda d: -votes[seg][d][0])):
+                self._span["rejected"] += 1
+                continue
+            entry = self.install(record, index)
+            if entry is None:
+                continue
+            entry.shared = True
+            self._published.add(key)
+            installed += 1
+            self._span["installed"] += 1
+            self._span["installed_tokens"] += record.num_tokens
+            self.policy.observe_load(record.nbytes, time.perf_counter() - t_decode)
+        return installed
+
     def _check_shape(self, record: SegmentRecord) -> None:
         """CorruptRecord unless the record's K/V fits this engine's KV cache (a record of another model or
         layout that reached this key: a forged or colliding index entry)."""
@@ -324,6 +481,14 @@ class SegmentStore:
             st.remote_up = r.up
             st.remote_stale = getattr(r, "stale", 0)        # a Redis record has no separate payload to lose
             st.remote_kind = self.remote_kind
+        if self.anchors is not None:
+            a = self.anchors.stats()
+            st.span_records_published, st.span_anchors_published = a.published_records, a.published_anchors
+            st.remote_errors += a.errors
+            st.remote_up = st.remote_up and a.up
+        st.span_lookups, st.span_candidates, st.span_rejected = (
+            self._span["lookups"], self._span["candidates"], self._span["rejected"])
+        st.span_installed, st.span_installed_tokens = self._span["installed"], self._span["installed_tokens"]
         return st
 
     def check_integrity(self) -> None:

@@ -17,6 +17,12 @@ Spans are found two ways, in this order:
                entry ("indexed") or in the exact prefix-cached KV of an earlier request ("request").
                A run that covers explicit hits and the glue between them replaces them.
                `ReuseConfig.transparent_segments` turns it off.
+  shared       with a shared store that shares spans (EngineConfig.segment_store_spans), the
+               stretches of at least `min_segment_tokens` tokens that neither found are looked up by
+               content in the store's anchor index (`SegmentTiers.load_by_content`: fetched, verified
+               token by token, installed as entries), and the span search runs again to find them.
+               A local hit by content on KV not yet in the store (a request run, a found stretch)
+               publishes that stretch there at admission: it recurred (`SegmentTiers.publish_span`).
 
 A request whose hits total fewer than `min_blend_tokens` does not blend at all (its hits are
 recomputed and it is served exact), and KV computed right after a short head (`min_context_tokens`)
@@ -48,6 +54,9 @@ class ReusePlanner:
         self._live: dict[int, ReusePlan] = {}      # id -> plan: locked, not yet released
         self.num_plans = 0        # plans made (locked)
         self.num_released = 0
+        # (request id, stretches) looked up in the shared anchor index: a request that waits is planned
+        # again each step, and asks the store again only for stretches it did not ask about (bounded)
+        self._looked_up: dict[tuple, None] = {}
 
     def plan(self, req: SegmentRequest, num_exact_hit: int, num_approx: int, search: bool = True) -> ReuseRecord:
         """`req`'s reuse for this admission: after its first `num_exact_hit` exact and `num_approx`
@@ -109,6 +118,14 @@ class ReusePlanner:
                 req.prompt_token_array = np.asarray(toks, dtype=np.int32)
             runs = self.spans.find(req.prompt_token_array, num_prefix_hit, end - 1, req.cache_salt,
                                    reuse.min_segment_tokens, early, reuse.min_context_tokens)
+            if self.store is not None and self.store.shares_spans:
+                served = [(m.start, m.end) for m in runs] + [(h.start, h.end) for h in hits] + early
+                unserved = [(a, b) for a, b in fresh_intervals(num_prefix_hit, end - 1, served)
+                            if b - a >= reuse.min_segment_tokens]
+                if unserved and self._first_lookup(req.request_id, unserved) and self.store.load_by_content(
+                        req.prompt_token_array, unserved, req.cache_salt, self.index, reuse.min_segment_tokens):
+                    runs = self.spans.find(req.prompt_token_array, num_prefix_hit, end - 1, req.cache_salt,
+                                           reuse.min_segment_tokens, early, reuse.min_context_tokens)
             # A run found by content that covers explicit hits and serves more than they do (the
             # template glue between re-sent messages, which no segment holds) replaces them, unless
             # one of them holds merged encodings (nearer this context than the run's one encoding);
@@ -149,6 +166,15 @@ class ReusePlanner:
             return
         self.store.load([(m, req.cache_salt) for m in missing], self.index)
 
+    def _first_lookup(self, request_id: str, stretches: list[tuple[int, int]]) -> bool:
+        key = (request_id, tuple(stretches))
+        if key in self._looked_up:
+            return False
+        if len(self._looked_up) >= 4096:
+            del self._looked_up[next(iter(self._looked_up))]
+        self._looked_up[key] = None
+        return True
+
     def admit(self, req: SegmentRequest, record: ReuseRecord) -> None:
         """The scheduler admitted `req` with `record`: attach it, and count its lookups once (a
         request that waits is planned again at each step)."""
@@ -157,6 +183,12 @@ class ReusePlanner:
         self.index.record_lookups(record.num_query_tokens, [(h.entry, h.num_tokens) for h in hits if h.entry is not None],
                                   request_hit_tokens=sum(h.num_tokens for h in hits if h.entry is None))
         req.reuse_record = record
+        if hits and self.store is not None and self.store.shares_spans:
+            # what recurred here by content goes to the shared store (explicit segments went at insert)
+            toks = req.prompt_token_ids
+            for h in hits:
+                if h.source == "request" or (h.source == "indexed" and not h.entry.explicit and not h.entry.shared):
+                    self.store.publish_span(toks[h.start:h.end], req.cache_salt, h.blocks, h.start_pos)
 
     def release(self, plan: ReusePlan) -> None:
         """Unlock a plan: its admission failed, or the forward that copies its hits has launched
@@ -186,3 +218,17 @@ def too_early_for(entry: SegmentEntry, start: int, reuse: ReuseConfig) -> bool:
 def early(start: int, reuse: ReuseConfig) -> bool:
     """A segment starting at `start` has only the prompt's start before it (`min_context_tokens`)."""
     return start < reuse.min_context_tokens
+
+
+def fresh_intervals(start: int, end: int, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[start, end) minus the `taken` intervals, as sorted disjoint intervals."""
+    out, at = [], start
+    for a, b in sorted(taken):
+        if b <= at or a >= end:
+            continue
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if at < end:
+        out.append((at, end))
+    return out

@@ -42,6 +42,8 @@ class SegmentEntry:
     num_encodings: int = 1          # its KV is the mean of this many encodings (merged encodings)
     explicit: bool = True           # a segment of a prompt (message, ingested passage); False: a stretch a
                                     # blended request computed in full, indexed for transparent reuse
+    shared: bool = False            # in the shared store already (published, or fetched from it): a
+                                    # local hit on it publishes nothing (kvstore/segment_store.publish_span)
 
     def __len__(self) -> int:
         return len(self.tokens) // 4

@@ -7,7 +7,9 @@
                       of at least `min_segment_tokens` outside its reused spans and explicit segments)
                       is indexed too, so a later prompt finds it by content: an exact request needs
                       none, its blocks are already on the exact prefix chain, which the span index
-                      reads;
+                      reads; with a store that shares spans (`segment_store_spans`) such a stretch is
+                      published like a new explicit segment (a request's exact KV that is no entry is
+                      published once it recurs: `ReusePlanner.admit`);
   early encodings     an entry computed right after a short head (`min_context_tokens`) that this
                       request recomputed later in its prompt is replaced by this encoding;
   merged encodings    a segment the index holds that this request computed exactly in another
@@ -27,7 +29,7 @@ from sparsex.cache.slot_mapping import block_ids, slot_mapping
 from sparsex.inputs import SegmentSpan
 from sparsex.layers.triton_rerotate import merge_rerotated_all_layers_torch
 from sparsex.segment.segment_request import SegmentRequest
-from sparsex.segment.reuse_planner import early, too_early_for
+from sparsex.segment.reuse_planner import early, fresh_intervals, too_early_for
 from sparsex.segment.segment_index import SegmentEntry, SegmentIndex
 from sparsex.segment.segment_tiers import SegmentTiers
 
@@ -81,7 +83,9 @@ class SegmentRegistrar:
             for a, b in fresh_intervals(req.exact_prefix_len, end, reused):
                 for start, stop in fresh_intervals(a, b, handled):
                     if stop - start >= reuse.min_segment_tokens:
-                        self.index.insert(toks[start:stop], req.cache_salt, req.blocks, start, explicit=False)
+                        entry = self.index.insert(toks[start:stop], req.cache_salt, req.blocks, start, explicit=False)
+                        if self.store is not None and self.store.shares_spans:
+                            self._publish(entry)        # a registered reuse source, shared by content
 
     def _merge(self, entry: SegmentEntry, req: SegmentRequest, span: SegmentSpan) -> None:
         """Merged encodings: the entry's KV becomes the running mean of its encodings and this one
@@ -113,17 +117,3 @@ class SegmentRegistrar:
     def _publish(self, entry: SegmentEntry | None) -> None:
         if entry is not None and self.store is not None:
             self.store.publish(entry)
-
-
-def fresh_intervals(start: int, end: int, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """[start, end) minus the `taken` intervals, as sorted disjoint intervals."""
-    out, at = [], start
-    for a, b in sorted(taken):
-        if b <= at or a >= end:
-            continue
-        if a > at:
-            out.append((at, a))
-        at = max(at, b)
-    if at < end:
-        out.append((at, end))
-    return out

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
+
 from sparsex.cache.block_pool import KVCacheBlock
 from sparsex.segment.segment_index import SegmentEntry, SegmentIndex
 
@@ -15,9 +17,24 @@ class SegmentTiers(Protocol):
         ...
 
     def publish(self, entry: SegmentEntry) -> None:
-        """A new entry: write it to the shared tier."""
+        """A new entry: write it to the shared tier (explicit ones; found stretches too when it shares spans)."""
         ...
 
     def publish_merge(self, entry: SegmentEntry, blocks: list[KVCacheBlock], start: int) -> None:
         """Another exact encoding of `entry`, computed at `start` in `blocks`: fold it into the shared record."""
+        ...
+
+    @property
+    def shares_spans(self) -> bool:
+        """Whether spans found by content are shared with other replicas (EngineConfig.segment_store_spans)."""
+        ...
+
+    def load_by_content(self, prompt: np.ndarray, intervals: list[tuple[int, int]], cache_salt: str | None,
+                        index: SegmentIndex, min_tokens: int) -> int:
+        """Install into `index` the shared records that hold verified runs of the prompt's `intervals`; how many."""
+        ...
+
+    def publish_span(self, token_ids: list[int], cache_salt: str | None, blocks: tuple[KVCacheBlock, ...],
+                     start_pos: int) -> None:
+        """A stretch reused by content here (it recurred): write it, with its anchors, to the shared tier."""
         ...
