@@ -23,9 +23,7 @@ client never raises for server trouble: an error is counted, the index is marked
 """
 from __future__ import annotations
 
-import logging
 import threading
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,10 +31,11 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from sparsex.kvstore.redis_tier import _redact, parse_url
+from sparsex.kvstore.backoff import Backoff
 from sparsex.segment.span_index import MAX_REFS, anchors
+from sparsex.store_urls import parse_redis_url as parse_url
+from sparsex.store_urls import redact as _redact
 
-log = logging.getLogger(__name__)
 
 ANCHOR_TAG = "a:"
 
@@ -80,20 +79,15 @@ class AnchorIndex:
         self._lock = threading.Lock()
         self._c = {"published_records": 0, "published_anchors": 0, "lookups": 0, "looked_up_anchors": 0,
                    "found_refs": 0, "errors": 0, "dropped": 0}
-        self._up = True
-        self._down_until = 0.0
+        self._health = Backoff(f"anchor index {self.where}", reconnect_s)
 
     def _is_down(self) -> bool:
-        return time.monotonic() < self._down_until
+        return self._health.down
 
     def _failed(self, what: str, e: BaseException) -> None:
         with self._lock:
             self._c["errors"] += 1
-            was_up, self._up = self._up, False
-            self._down_until = time.monotonic() + self.reconnect_s
-        if was_up:
-            log.warning("anchor index %s: %s failed (%s: %s); down, retrying in %.1fs",
-                        self.where, what, type(e).__name__, e, self.reconnect_s)
+            self._health.failed(what, e)
 
     def publish(self, record_key: str, token_ids: np.ndarray) -> None:
         """Write the anchors of a record (`token_ids`: its tokens) in one pipeline; never raises."""
@@ -118,7 +112,7 @@ class AnchorIndex:
                 self._c["dropped"] += 1
             return
         with self._lock:
-            self._up = True
+            self._health.succeeded()
             self._c["published_records"] += 1
             self._c["published_anchors"] += len(pos)
 
@@ -149,7 +143,7 @@ class AnchorIndex:
                     continue                 # not ours: a hash or a value only proposes anyway
             out.append(parsed)
         with self._lock:
-            self._up = True
+            self._health.succeeded()
             self._c["lookups"] += 1
             self._c["looked_up_anchors"] += len(hashes)
             self._c["found_refs"] += sum(len(r) for r in out)
@@ -157,7 +151,7 @@ class AnchorIndex:
 
     def stats(self) -> AnchorIndexStats:
         with self._lock:
-            return AnchorIndexStats(**self._c, up=self._up)
+            return AnchorIndexStats(**self._c, up=self._health.up)
 
     def close(self) -> None:
         self._client.close()

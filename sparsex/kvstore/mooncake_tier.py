@@ -51,6 +51,7 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from sparsex.kvstore.backoff import Backoff
 from sparsex.kvstore.fetch_policy import TransferEstimate
 from sparsex.kvstore.record import SegmentRecord, encode_into
 from sparsex.store_urls import parse_mooncake_url as parse_url
@@ -258,9 +259,8 @@ class MooncakeTier:
         self._c = {"gets": 0, "hits": 0, "misses": 0, "stale": 0, "errors": 0, "timeouts": 0, "corrupt": 0,
                    "bytes_read": 0, "bytes_written": 0, "writes_dropped": 0, "cas_retries": 0}
         self._fetch_seconds = 0.0
-        self._index_down_until = 0.0
-        self._payload_down_until = 0.0
-        self._index_up = self._payload_up = True
+        self._payload_health = Backoff(f"Mooncake tier {self.where}", reconnect_s)
+        self._index_health = Backoff(f"Mooncake tier {self.where}: index {self.index_where}", reconnect_s)
         self._cost = TransferEstimate()         # measured read latency and bandwidth (under the lock)
         self._last_payloads: dict[str, str] = {}      # key -> payload key of the last read (count_corrupt)
 
@@ -306,7 +306,7 @@ class MooncakeTier:
         return True
 
     def _payload_ready(self) -> bool:
-        if time.monotonic() < self._payload_down_until:
+        if self._payload_health.down:
             return False
         if self._client is None:
             return self._connect(wait_s=self.timeout_s)
@@ -317,35 +317,23 @@ class MooncakeTier:
             self._c["errors"] += 1
             if isinstance(e, (TimeoutError, _Busy)):
                 self._c["timeouts"] += isinstance(e, TimeoutError)
-            was_up, self._payload_up = self._payload_up, False
-            self._payload_down_until = time.monotonic() + self.reconnect_s
-        if was_up:
-            log.warning("Mooncake tier %s: %s failed (%s: %s); down, retrying in %.1fs",
-                        self.where, what, type(e).__name__, e, self.reconnect_s)
+            self._payload_health.failed(what, e)
 
     def _payload_ok(self) -> None:
         with self._lock:
-            if not self._payload_up:
-                log.info("Mooncake tier %s: serving again", self.where)
-            self._payload_up = True
+            self._payload_health.succeeded()
 
     def _index_ready(self) -> bool:
-        return time.monotonic() >= self._index_down_until
+        return not self._index_health.down
 
     def _index_failed(self, what: str, e: BaseException) -> None:
         with self._lock:
             self._c["errors"] += 1
-            was_up, self._index_up = self._index_up, False
-            self._index_down_until = time.monotonic() + self.reconnect_s
-        if was_up:
-            log.warning("Mooncake tier %s: index %s %s failed (%s: %s); down, retrying in %.1fs",
-                        self.where, self.index_where, what, type(e).__name__, e, self.reconnect_s)
+            self._index_health.failed(what, e)
 
     def _index_ok(self) -> None:
         with self._lock:
-            if not self._index_up:
-                log.info("Mooncake tier %s: index %s serving again", self.where, self.index_where)
-            self._index_up = True
+            self._index_health.succeeded()
 
     # ---- index entries ------------------------------------------------------------------------
     @staticmethod
@@ -451,7 +439,7 @@ class MooncakeTier:
     def _enqueue(self, op: tuple, nbytes: int) -> None:
         with self._lock:
             if self._closed or self._pending_bytes + nbytes > self.max_pending_bytes or (
-                    op[0] != "drop" and (time.monotonic() < self._payload_down_until or not self._index_ready())):
+                    op[0] != "drop" and (self._payload_health.down or not self._index_ready())):
                 self._c["writes_dropped"] += 1
                 return
             self._pending_bytes += nbytes
@@ -494,7 +482,7 @@ class MooncakeTier:
                 return
             op, nbytes = item
             try:
-                if op[0] != "drop" and (time.monotonic() < self._payload_down_until or not self._index_ready()):
+                if op[0] != "drop" and (self._payload_health.down or not self._index_ready()):
                     with self._lock:
                         self._c["writes_dropped"] += 1
                 elif not self._send(op):
@@ -663,7 +651,7 @@ class MooncakeTier:
     def _run_removals(self) -> None:
         now = time.monotonic()
         due = [r for r in self._removals if r[0] <= now]
-        if not due or self._client is None or now < self._payload_down_until:
+        if not due or self._client is None or self._payload_health.down:
             return
         self._removals = [r for r in self._removals if r[0] > now]
         for _, payload, attempts in due:
@@ -711,8 +699,8 @@ class MooncakeTier:
     def stats(self) -> MooncakeTierStats:
         with self._lock:
             return MooncakeTierStats(**self._c, fetch_seconds_total=self._fetch_seconds,
-                                     up=self._index_up and self._payload_up, index_up=self._index_up,
-                                     payload_up=self._payload_up)
+                                     up=self._index_health.up and self._payload_health.up,
+                                     index_up=self._index_health.up, payload_up=self._payload_health.up)
 
     def __repr__(self) -> str:
         return f"MooncakeTier({self.url}, index={self.index_where})"

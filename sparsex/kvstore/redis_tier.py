@@ -25,6 +25,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from sparsex.kvstore.backoff import Backoff
 from sparsex.kvstore.fetch_policy import TransferEstimate
 from sparsex.kvstore.record import SegmentRecord, encode
 from sparsex.store_urls import parse_redis_url as parse_url
@@ -77,9 +78,8 @@ class RedisTier:
         self._c = {"gets": 0, "hits": 0, "misses": 0, "errors": 0, "corrupt": 0, "bytes_read": 0,
                    "bytes_written": 0, "writes_dropped": 0, "cas_retries": 0}
         self._fetch_seconds = 0.0
-        self._up = True
+        self._health = Backoff(f"Redis tier {self.where}", reconnect_s)
         self._refusals: set[str] = set()        # kinds of command the server refused (logged once each)
-        self._down_until = 0.0                  # time.monotonic() before which no round trip is tried
         self._cost = TransferEstimate()         # measured read latency and bandwidth (under the lock)
 
         self._queue: queue.Queue = queue.Queue()
@@ -93,16 +93,12 @@ class RedisTier:
 
     # ---- health -------------------------------------------------------------------------------
     def _is_down(self) -> bool:
-        return time.monotonic() < self._down_until
+        return self._health.down
 
     def _failed(self, what: str, e: BaseException) -> None:
         with self._lock:
             self._c["errors"] += 1
-            was_up, self._up = self._up, False
-            self._down_until = time.monotonic() + self.reconnect_s
-        if was_up:
-            log.warning("Redis tier %s: %s failed (%s: %s); down, retrying in %.1fs",
-                        self.where, what, type(e).__name__, e, self.reconnect_s)
+            self._health.failed(what, e)
 
     def _refused(self, what: str, e: redis.ResponseError) -> None:
         """The server answered but refused the command (an ACL without this key or command, OOM under
@@ -117,9 +113,7 @@ class RedisTier:
                         self.where, what, type(e).__name__, e)
 
     def _succeeded(self) -> None:
-        if not self._up:
-            log.info("Redis tier %s: serving again", self.where)
-        self._up = True
+        self._health.succeeded()
 
     # ---- reads --------------------------------------------------------------------------------
     def get_many(self, keys: list[str]) -> list[bytes | None]:
@@ -296,7 +290,7 @@ class RedisTier:
     # ---- metrics ------------------------------------------------------------------------------
     def stats(self) -> RedisTierStats:
         with self._lock:
-            return RedisTierStats(**self._c, fetch_seconds_total=self._fetch_seconds, up=self._up)
+            return RedisTierStats(**self._c, fetch_seconds_total=self._fetch_seconds, up=self._health.up)
 
     def __repr__(self) -> str:
         return f"RedisTier({_redact(self.url)})"
