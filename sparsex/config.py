@@ -375,6 +375,12 @@ class EngineConfig:
     segment_store_fetch: str = knob("auto", "when to fetch a span from the shared store: auto (when cheaper "
                                             "than recomputing it, as measured), always, never",
                                     advanced=True, choices=STORE_FETCH_MODES)
+    # sparsex/engine/tp_executor.py; docs/architecture.md, "Tensor parallelism"
+    tensor_parallel_size: int = knob(1, "ranks the model is split over (one process per rank; NCCL on CUDA, "
+                                        "gloo on the CPU): heads, MLP columns and vocabulary divided between them",
+                                     ge=1)
+    tp_timeout: float = knob(120.0, "seconds a tensor-parallel collective waits for a rank before the engine "
+                                    "reports the rank lost and stops", advanced=True, ge=1.0)
     # sparsex/engine/quality_monitor.py; docs/server.md, "Live quality monitor"
     quality_sample: float = knob(0.0, "share of blended requests whose served answer is scored against full "
                                       "prefill (teacher-forced KL, top-1) in idle capacity only; 0 = off",
@@ -421,7 +427,21 @@ class EngineConfig:
         if (self.segment_store is not None or self.host_kv_cache_memory) and self.cache != "sparsex":
             raise ValueError(f"segment_store / host_kv_cache_memory hold segment entries: they need cache='sparsex', "
                              f"got cache={self.cache!r}")
+        if self.tensor_parallel_size > 1:
+            self._verify_tensor_parallel()
         self.reuse.verify()
+
+    def _verify_tensor_parallel(self) -> None:
+        """What tensor parallelism does not cover: tiers that copy KV between the device and host memory or
+        a store would need every rank's shard (the segment store, the host tier)."""
+        if isinstance(self.tensor_parallel_size, bool):
+            raise ValueError(f"tensor_parallel_size must be an int, got {self.tensor_parallel_size!r}")
+        if self.segment_store is not None or self.host_kv_cache_memory:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} does not support segment_store or "
+                             f"host_kv_cache_memory: those tiers hold one rank's KV, not every rank's shard")
+        if self.device.startswith("cuda:"):
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} places rank r on cuda:r: give "
+                             f"device='cuda', got {self.device!r}")
 
     def _verify_store_urls(self) -> None:
         """segment_store: redis:// or rediss://, or mooncake:// with a redis:// segment_index (each url

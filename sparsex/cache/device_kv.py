@@ -23,3 +23,6 @@ class DeviceKV:
     # per layer [rotary_dim / 2] float32 RoPE frequencies; read at each use, so a benchmark that swaps
     # the runner's model is followed
     layer_inv_freqs: Callable[[], list[torch.Tensor]]
+    # tensor parallelism: told of every merged-encoding write (host arrays src, mean, dst, delta and
+    # the weight) after it is made here, so the other ranks make it on their shards too
+    on_merge: Callable[[list[np.ndarray], float], None] | None = None

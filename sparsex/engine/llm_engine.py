@@ -103,7 +103,11 @@ class LLMEngine:
         # xgrammar is loaded at the first structured request
         self.structured_output = StructuredOutputManager(self.tokenizer, loaded.config.vocab_size, self.eos_token_ids,
                                                          torch.device(config.device))
-        self.runner = ModelRunner(config, loaded, self.max_model_len, self.structured_output)
+        if config.tensor_parallel_size > 1:
+            from sparsex.engine.tp_executor import TensorParallelExecutor
+            self.runner = TensorParallelExecutor(config, loaded, self.max_model_len, self.structured_output)
+        else:
+            self.runner = ModelRunner(config, loaded, self.max_model_len, self.structured_output)
         self.store = None                # kvstore/segment_store.SegmentStore: host and shared tiers
         if config.enable_segment_reuse and (config.segment_store or config.host_kv_cache_memory):
             from sparsex.kvstore.record import model_fingerprint
@@ -433,10 +437,12 @@ class LLMEngine:
         self.kv.pool.reset_prefix_cache()
 
     def close(self) -> None:
-        """Send what the shared store's writer still holds and disconnect (idempotent)."""
+        """Send what the shared store's writer still holds and disconnect; stop the other
+        tensor-parallel ranks (idempotent)."""
         if self.store is not None:
             self.store.flush()
             self.store.close()
+        self.runner.close()
 
     def stats(self) -> EngineStats:
         st = EngineStats(

@@ -31,11 +31,13 @@ from sparsex.layers import cpu_kernels
 from sparsex.layers.attention_backend import TorchAttentionBackend
 from sparsex.layers.attention_backend_protocol import AttentionBackend
 from sparsex.layers.attention_metadata import AttentionMetadata
+from sparsex.layers.tensor_parallel import TensorParallelGroup
 from sparsex.models.moe import SparseMoeBlock
 from sparsex.layers.packed_linear import prepack_supported
 from sparsex.layers.sampler import Sampler, SamplerOutput, SamplingBatch, compute_topk_logprobs, token_logprobs
 from sparsex.models.decoder import DecoderForCausalLM
 from sparsex.models.loader import LoadedModel
+from sparsex.models.weight_sharding import shard_hf_weights
 
 _LOGITS_CHUNK = 512          # rows of prompt logits materialised at once (vocab-wide)
 
@@ -76,23 +78,43 @@ def _attention_backend(device: torch.device) -> AttentionBackend:
 
 
 class ModelRunner:
+    """`tp`: this process's rank of a tensor-parallel group (engine/tp_executor.py); every rank
+    runs `launch` on the same step, and only rank 0 samples."""
+
     def __init__(self, config: EngineConfig, loaded: LoadedModel, max_model_len: int,
-                 structured_output: StructuredOutputManager | None = None):
+                 structured_output: StructuredOutputManager | None = None,
+                 tp: TensorParallelGroup | None = None):
         self.config = config
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.structured_output = structured_output      # the sampled rows' token bitmasks (None: no grammars)
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         cfg = loaded.config
         self.model_config = cfg
         with torch.device("meta"):
-            model = DecoderForCausalLM(cfg, max_model_len)
-        if loaded.weights:
+            model = DecoderForCausalLM(cfg, max_model_len, self.tp)
+        weights = loaded.weights
+        if self.tp is not None and not weights:
+            # dummy weights under TP: every rank draws the whole model as one rank would, then keeps
+            # its share, so TP=N computes the same model as TP=1
+            with torch.device("meta"):
+                full = DecoderForCausalLM(cfg, max_model_len)
+            full = full.to_empty(device=self.device).to(self.dtype)
+            _init_random(full, config.seed)
+            weights = {k: v.cpu() for k, v in full.hf_state_dict().items()}
+            if cfg.tie_word_embeddings:
+                weights.pop("lm_head.weight")
+            del full
+        if self.tp is not None:
+            weights = shard_hf_weights(weights, cfg, self.tp)
+        if weights:
             model = model.to_empty(device="cpu")
-            model.load_hf_weights(loaded.weights)
+            model.load_hf_weights(weights)
             model = model.to(device=self.device, dtype=self.dtype)
         else:                                   # dummy weights: drawn on the device, in the target dtype
             model = model.to_empty(device=self.device).to(self.dtype)
             _init_random(model, config.seed)
+        del weights
         model.build_rotary(self.device)         # float32 tables, rebuilt after the cast
         if prepack_supported(self.device, self.dtype):
             model.prepack_for_cpu()
@@ -103,7 +125,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks()
-        shape = (self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(cfg.num_hidden_layers)]
@@ -118,7 +140,12 @@ class ModelRunner:
         # an MoE block on its per-expert loop (fp32, or no grouped GEMM) reads counts on the host: no graphs
         self.graphs_capturable = all(m.graph_capturable(self.device, self.dtype) for m in self.model.modules()
                                      if isinstance(m, SparseMoeBlock))
+        if self.tp is not None:
+            self.graphs_capturable = False      # decode graphs with collectives inside are not captured yet
         self.decode_graphs: DecodeGraphs | None = None
+
+    def close(self) -> None:
+        """Nothing to release (the tensor-parallel executor stops its ranks here)."""
 
     def reset_blend_state(self) -> None:
         """Reseed what blended prefills draw from and zero the timings (the engine's cache reset)."""
@@ -131,10 +158,15 @@ class ModelRunner:
                         bytes_per_token=self.bytes_per_block() // self.block_size, upload=self.uploader.upload,
                         layer_inv_freqs=lambda: self.model.layer_inv_freqs())
 
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this rank caches (all of them without tensor parallelism)."""
+        return self.model.layers[0].self_attn.num_kv_heads
+
     def bytes_per_block(self) -> int:
         cfg = self.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        return 2 * cfg.num_hidden_layers * self.block_size * self.num_kv_heads * cfg.head_dim * elem
 
     def _num_blocks(self) -> int:
         if self.config.num_blocks is not None:
@@ -250,7 +282,8 @@ class ModelRunner:
         blend = None
         if any(s.reuse_plan is not None for s in sched.scheduled):
             blend = StepBlend(sched, ctx, self.model.layer_inv_freqs(), self.uploader, self.layer_pointers,
-                              self.selection_generator)
+                              self.selection_generator, self._score_reducer(),
+                              None if self.tp is None else self.tp.same_on_all_ranks)
         t0 = time.perf_counter()
         hidden = self.model(ids_t, md.positions, ctx)                   # [kept_rows, hidden]
         if blend is not None:                   # every selection ran inside the forward: host counts
@@ -307,8 +340,27 @@ class ModelRunner:
                 sample_t = torch.searchsorted(ctx.kept_rows, sample_t)
             sampled_hidden = hidden.index_select(0, sample_t)
             logits = self.model.compute_logits(sampled_hidden).float()    # [num_sampled, vocab]
+            if self.tp is not None and self.tp.rank != 0:
+                return LaunchedStep(results, [], None, t0)      # rank 0 samples; the others only helped gather
             sampled = self._launch_sample(step.sample_reqs, logits)
         return LaunchedStep(results, step.sample_reqs, sampled, t0)
+
+    def _score_reducer(self):
+        """Under TP: what makes a blended request's selection scores the whole model's on every rank
+        (StepBlend.reduce_scores), so every rank keeps the same rows."""
+        if self.tp is None:
+            return None
+        tp, replication = self.tp, self.tp.kv_replication(self.model_config.num_key_value_heads)
+
+        def reduce(deviation: torch.Tensor | None, mass: torch.Tensor | None):
+            # deviation: a sum over KV heads (a replicated head is counted once); mass: a mean over
+            # query heads, which every rank holds as many of. One all-reduce for both.
+            parts = [x.float() for x in (deviation, mass) if x is not None]
+            joint = tp.all_reduce(torch.cat(parts))
+            n = deviation.numel() if deviation is not None else 0
+            dev = joint[:n] / replication if deviation is not None else None
+            return dev, (joint[n:] / tp.size if mass is not None else None)
+        return reduce
 
     def _launch_sample(self, reqs: list[Request], logits: torch.Tensor) -> SamplerOutput:
         """Launch the sampling of one token per request from logits [len(reqs), vocab] (no sync)."""

@@ -189,6 +189,10 @@ class AsyncLLM:
     def error(self) -> BaseException | None:
         return self._error
 
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until the engine loop has ended (shut down, or died: see `error`)."""
+        self._thread.join(timeout)
+
     @property
     def is_running(self) -> bool:
         """True while the loop is alive and takes new requests."""

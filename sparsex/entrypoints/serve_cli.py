@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 import sys
+import threading
 from typing import Any
 
 from sparsex.arg_types import positive_int
@@ -128,8 +129,22 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(engine, settings)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=args.shutdown_timeout))
+    threading.Thread(target=_exit_when_engine_dies, args=(engine, server), name="sparsex-engine-watch",
+                     daemon=True).start()
     server.run()            # SIGINT / SIGTERM: stop accepting, finish in-flight requests, drain, exit
+    if engine.error is not None:
+        print(f"sparsex serve: the engine died: {engine.error}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _exit_when_engine_dies(engine, server) -> None:
+    """A dead engine loop (a lost tensor-parallel rank, a device error) serves nothing again: stop the
+    server, so its supervisor sees the exit instead of a server that answers 503 forever."""
+    engine.join()
+    if engine.error is not None:
+        logging.getLogger("sparsex.serve").error("the engine loop died (%r): stopping the server", engine.error)
+        server.should_exit = True
 
 
 def main(argv: list[str] | None = None) -> int:

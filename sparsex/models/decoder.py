@@ -23,14 +23,21 @@ from sparsex.layers import cpu_kernels
 from sparsex.layers.layernorm import RMSNorm
 from sparsex.layers.packed_linear import PackedLinear, prepack_linears
 from sparsex.layers.rotary_embedding import RotaryEmbedding
+from sparsex.layers.tensor_parallel import TensorParallelGroup, VocabParallelEmbedding
 from sparsex.models.model_config import ModelConfig
 from sparsex.models.moe import SparseMoeBlock
+from sparsex.models.weight_sharding import local_config
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
+    """`cfg` is the rank's (weight_sharding.local_config): its heads only under tensor parallelism,
+    whose o_proj partial sums `tp` all-reduces."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
+                 tp: TensorParallelGroup | None = None):
         super().__init__()
         self.layer_idx = layer_idx
+        self.tp = tp
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -83,7 +90,8 @@ class Attention(nn.Module):
             q, k, v = q[keep], None, None                                # [kept, H, D]
         o = ctx.backend.attention(q, k_cache, v_cache, ctx.attn_metadata, self.scale, key=k, value=v,
                                   **self.extra)                          # [T, H, D]
-        return self.o_proj(o.reshape(-1, self.q_size)), keep
+        out = self.o_proj(o.reshape(-1, self.q_size))                    # [T, hidden] (a partial sum under TP)
+        return (out if self.tp is None else self.tp.all_reduce(out)), keep
 
 
 class MLP(nn.Module):
@@ -109,9 +117,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
+                 tp: TensorParallelGroup | None = None):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx, rotary)
+        self.tp = tp
+        self.self_attn = Attention(cfg, layer_idx, rotary, tp)
         self.mlp = SparseMoeBlock(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Llama: post_attention_layernorm is the MLP's input norm (residual add fused in).
@@ -137,14 +147,18 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             hidden = self.post_attention_layernorm(hidden)
             hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
-            return self.post_feedforward_layernorm(self.mlp(hidden)), residual, keep
+            return self.post_feedforward_layernorm(self._mlp(hidden)), residual, keep
         if self.residual_multiplier != 1.0:
             hidden = hidden * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        hidden = self.mlp(hidden)
+        hidden = self._mlp(hidden)
         if self.residual_multiplier != 1.0:
             hidden = hidden * self.residual_multiplier
         return hidden, residual, keep
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.mlp(x)                               # a partial sum under TP (row-parallel down_proj)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 def _select_rows(layer_idx: int, ctx: ForwardContext) -> torch.Tensor | None:
@@ -159,9 +173,14 @@ def _select_rows(layer_idx: int, ctx: ForwardContext) -> torch.Tensor | None:
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_position: int):
+    """`tp`: this rank of a tensor-parallel group (None or size 1: the whole model). `config` stays
+    the full model's; the layers are built from the rank's share of it."""
+
+    def __init__(self, cfg: ModelConfig, max_position: int, tp: TensorParallelGroup | None = None):
         super().__init__()
         self.config = cfg
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        layer_cfg = cfg if self.tp is None else local_config(cfg, self.tp)
         # one RotaryEmbedding per distinct (base, scaling): Gemma 3's sliding layers use another base
         ropes: dict[tuple, RotaryEmbedding] = {}
         layer_rope: list[RotaryEmbedding] = []
@@ -172,10 +191,15 @@ class DecoderForCausalLM(nn.Module):
                 ropes[key] = RotaryEmbedding(cfg.head_dim, theta, scaling, max_position, cfg.rotary_dim)
             layer_rope.append(ropes[key])
         self.rotaries = nn.ModuleList(ropes.values())
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, layer_rope[i]) for i in range(cfg.num_hidden_layers))
+        if self.tp is None:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.tp)
+        self.layers = nn.ModuleList(DecoderLayer(layer_cfg, i, layer_rope[i], self.tp)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        head_rows = self.embed_tokens.weight.shape[0]    # the vocabulary, or this rank's range of it
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, head_rows, bias=False)
         self.packed_lm_head: PackedLinear | None = None      # set by prepack_for_cpu()
 
     def build_rotary(self, device: torch.device) -> None:
@@ -216,6 +240,8 @@ class DecoderForCausalLM(nn.Module):
         else:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(hidden, weight)                            # [rows, vocab]
+        if self.tp is not None:         # [rows, vocab range] per rank -> [rows, vocab]
+            logits = self.tp.all_gather_last(logits)[:, :self.config.vocab_size]
         cfg = self.config
         if cfg.logits_scaling != 1.0:
             logits = logits / cfg.logits_scaling                         # Granite

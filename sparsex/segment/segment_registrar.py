@@ -100,11 +100,14 @@ class SegmentRegistrar:
         mean = slot_mapping(block_ids(entry.blocks), rows, bs, first)   # read before copy-on-write replaces the blocks
 
         def fold(dst_blocks: list) -> None:
-            src_t, mean_t, dst_t, delta_t = self.kv.upload(
-                [src, mean, slot_mapping(block_ids(dst_blocks), rows, bs, first),
-                 np.full_like(src, entry.start_pos - span.start)])
+            arrays = [src, mean, slot_mapping(block_ids(dst_blocks), rows, bs, first),
+                      np.full_like(src, entry.start_pos - span.start)]
+            weight = 1.0 / (entry.num_encodings + 1)
+            src_t, mean_t, dst_t, delta_t = self.kv.upload(arrays)
             merge_rerotated_all_layers_torch(self.kv.kv_caches, src_t, mean_t, dst_t, delta_t,
-                                             self.kv.layer_inv_freqs(), 1.0 / (entry.num_encodings + 1))
+                                             self.kv.layer_inv_freqs(), weight)
+            if self.kv.on_merge is not None:
+                self.kv.on_merge(arrays, weight)
 
         if self.index.owns_blocks(entry):
             fold(entry.blocks)

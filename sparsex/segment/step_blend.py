@@ -134,12 +134,19 @@ class StepBlend:
     from inside it (copy, probe, select), read after it (`results`)."""
 
     def __init__(self, sched, ctx: ForwardContext, inv_freqs: list[torch.Tensor], uploader,
-                 pointers: LayerPointerCache, generator: torch.Generator):
+                 pointers: LayerPointerCache, generator: torch.Generator, reduce_scores=None,
+                 same_on_all_ranks=None):
         """Install the probe, the row selector (this object) and the copy hook on `ctx`. The copy
         plan itself is built and launched from inside the forward, just before the first selection
         layer (`_copy_reused`; on the GPU the host builds it while the layers below run). Only layers
         whose copies are read are copied: the selection layer stores every row's fresh K/V over
-        them, so it needs its copies only where the probe compares the two."""
+        them, so it needs its copies only where the probe compares the two.
+
+        `reduce_scores(deviation, mass)`, under tensor parallelism: each rank scores with its own
+        heads, and this turns a rank's [R] K/V deviation and [R] query mass (either may be None) into
+        the whole model's, identical on every rank, so every rank keeps the same rows."""
+        self._reduce = reduce_scores or (lambda deviation, mass: (deviation, mass))
+        self._same_rows = same_on_all_ranks     # tensor -> whether every rank holds the same one
         self.inv_freqs = inv_freqs               # per layer [rotary_dim / 2] float32, the model's RoPE frequencies
         self.uploader = uploader                 # the runner's PinnedUploader: one pinned upload a step
         self.pointers = pointers
@@ -256,17 +263,17 @@ class StepBlend:
                 if b.stage == 0 and layer_idx in query_layers(b.reuse):
                     query.append(b)
                     if b.reuse.selector == "chunk_anchor" and layer_idx == b.layer:
-                        b.scores = self._deviation(b, k, v, k_cache, v_cache, ctx)   # before any store
+                        b.scores = self._reduce(self._deviation(b, k, v, k_cache, v_cache, ctx), None)[0]  # before any store
                 continue
             if b.layer != layer_idx or b.reuse.selector not in selectors.PROBE_SELECTORS:
                 continue
             dev = self._deviation(b, k, v, k_cache, v_cache, ctx)
             if b.reuse.selector == "kv_deviation" or b.query_rows.numel() == 0:
-                b.scores = dev
+                b.scores = self._reduce(dev, None)[0]
             elif k.is_cuda:
                 b.pending = (dev, q)
             else:
-                b.scores = selectors.sparse_q_scores(dev, self._query_mass(b, q, k, k_cache, ctx))
+                b.scores = selectors.sparse_q_scores(*self._reduce(dev, self._query_mass(b, q, k, k_cache, ctx)))
         if query:
             self._probe_query(query, layer_idx, q, k, v, k_cache, v_cache, ctx)
         self.selection_seconds += time.perf_counter() - t0
@@ -295,7 +302,7 @@ class StepBlend:
             if b.query_rows.numel() == 0:                                    # no query: every row alike
                 mass = torch.ones(b.reused_rows.numel(), dtype=torch.float32, device=k.device)
             else:
-                mass = self._query_mass(b, q, k, k_cache, ctx)
+                mass = self._reduce(None, self._query_mass(b, q, k, k_cache, ctx))[1]
             b.query_mass = selectors.add_layer_mass(b.query_mass, mass, len(query_layers(b.reuse)))
 
     def _finish_sparse_q(self, b: _SeqBlend, layer_idx: int, ctx: ForwardContext) -> torch.Tensor:
@@ -303,7 +310,7 @@ class StepBlend:
         rows' attention mass on each reused token, read from the paged cache (triton_probe.py)."""
         dev, q = b.pending
         b.pending = None
-        return selectors.sparse_q_scores(dev, self._query_mass(b, q, None, ctx.kv_caches[layer_idx][0], ctx))
+        return selectors.sparse_q_scores(*self._reduce(dev, self._query_mass(b, q, None, ctx.kv_caches[layer_idx][0], ctx)))
 
     def _query_mass(self, b: _SeqBlend, q, k, k_cache, ctx: ForwardContext) -> torch.Tensor:
         """[R] the query rows' attention mass on each reused row at this layer. On the GPU it reads
@@ -352,8 +359,10 @@ class StepBlend:
                 b.scores = self._finish_sparse_q(b, layer_idx, ctx)
             mask = self._keep_mask(b)
             b.selected = self._keep_count(b)
-            if mask.device.type == "cpu" and int(mask.sum()) != b.selected:    # free to check here
-                raise RuntimeError(f"keep mask has {int(mask.sum())} rows, _keep_count {b.selected}")
+            if mask.device.type == "cpu":                                     # free to check here
+                if int(mask.sum()) != b.selected:
+                    raise RuntimeError(f"keep mask has {int(mask.sum())} rows, _keep_count {b.selected}")
+                self._check_same_rows(b, mask)
             keep[self._current_rows(ctx, b.reused_rows)] = mask
             present.append(b.reused_rows.numel())
             if b.stage == 0:
@@ -371,6 +380,16 @@ class StepBlend:
         if all(b.selected == n for b, n in zip(blends, present)):
             return None
         return _true_indices(keep, sum(rows_per_seq)), rows_per_seq
+
+    def _check_same_rows(self, b: _SeqBlend, mask: torch.Tensor) -> None:
+        """Under tensor parallelism on the CPU: every rank kept the same rows (a rank that kept
+        others would attend over different keys). Checked where a sync costs nothing."""
+        if self._same_rows is None:
+            return
+        kept = b.reused_pos[mask].double()
+        fingerprint = torch.stack([kept.sum(), (kept * kept).sum()])
+        if not self._same_rows(fingerprint):
+            raise RuntimeError(f"tensor-parallel ranks kept different rows for request {b.request.request_id!r}")
 
     def _keep_plan(self, b: _SeqBlend) -> tuple[int, int, int]:
         """The rule of `b`'s next selection, from host data only (the GPU path must not sync):
