@@ -365,3 +365,76 @@ def test_qwen_coder_tp2_equals_tp1(wiki_texts):
             assert max(abs(a[t] - b[t]) for a, b, t in zip(w.logprobs, g.logprobs, w.token_ids)) < 1e-3
     finally:
         _close(two)
+
+
+# ---- the server -------------------------------------------------------------------------------
+
+def _children(pid: int) -> list[int]:
+    """Pids whose parent is `pid` (from /proc: no extra tool)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+@pytest.mark.model
+def test_serve_with_two_ranks_answers_the_openai_client_and_exits_when_a_rank_dies(llama_dir):
+    import re
+    import subprocess
+    import sys
+    import threading
+
+    import openai
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sparsex.entrypoints.serve_cli", llama_dir, "--port", "0",
+         "--cache", "sparsex", "--dtype", "float32", "--num-blocks", str(POOL), "--served-model-name", "tiny",
+         "--tensor-parallel-size", "2", "--torch-threads", "1", "--log-level", "info"],
+        cwd=root, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        url, deadline = None, time.monotonic() + 300        # a hang guard for start-up, not a timing check
+        for line in proc.stderr:
+            m = re.search(r"Uvicorn running on (http://\S+)", line)
+            if m:
+                url = m.group(1)
+                break
+            assert time.monotonic() < deadline
+        assert url, "server did not start"
+        log: list[str] = []
+        threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        want = LLM(model=llama_dir, cache="prefix", dtype="float32", num_blocks=POOL)
+        ref = want.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8,
+                                                                          ignore_eos=True), use_tqdm=False)[0]
+        _close(want)
+        done = client.completions.create(model="tiny", prompt="The capital of France is", max_tokens=8,
+                                         temperature=0, extra_body={"ignore_eos": True})
+        assert done.choices[0].text == ref.outputs[0].text
+        stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi there"}],
+                                                max_tokens=6, temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True})
+        chunks = [c.choices[0].delta.content or "" for c in stream if c.choices]
+        assert len([c for c in chunks if c]) >= 1 and "".join(chunks)
+        ranks = _children(proc.pid)
+        assert len(ranks) == 1                              # rank 1's process
+        os.kill(ranks[0], signal.SIGKILL)
+        with pytest.raises(openai.APIStatusError) as err:
+            client.with_options(max_retries=0).completions.create(model="tiny", prompt="Another request",
+                                                                 max_tokens=4, temperature=0)
+        assert err.value.status_code == 503
+        assert proc.wait(timeout=60) == 1                   # the server stops: no hang, no 503 forever
+        time.sleep(0.2)
+        assert any("rank 1 exited with code -9" in line for line in log), log[-5:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

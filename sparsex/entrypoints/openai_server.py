@@ -66,6 +66,12 @@ def build_app(async_engine: AsyncLLM, settings: ServerSettings | None = None) ->
                   description="OpenAI-compatible LLM server with segment-level KV-cache reuse.")
     app.state.ctx = ctx
     install_error_handlers(app)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        # the engine died while this request was in it (a lost tensor-parallel rank, a device error)
+        return JSONResponse(error_body(503, str(exc), code="engine_dead"), status_code=503)
+
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
 
