@@ -94,24 +94,16 @@ class ModelRunner:
         with torch.device("meta"):
             model = DecoderForCausalLM(cfg, max_model_len, self.tp)
         weights = loaded.weights
-        if self.tp is not None and not weights:
-            # dummy weights under TP: every rank draws the whole model as one rank would, then keeps
-            # its share, so TP=N computes the same model as TP=1
-            with torch.device("meta"):
-                full = DecoderForCausalLM(cfg, max_model_len)
-            full = full.to_empty(device=self.device).to(self.dtype)
-            _init_random(full, config.seed)
-            weights = {k: v.cpu() for k, v in full.hf_state_dict().items()}
-            if cfg.tie_word_embeddings:
-                weights.pop("lm_head.weight")
-            del full
-        if self.tp is not None:
+        if self.tp is not None and weights:
             weights = shard_hf_weights(weights, cfg, self.tp)
         if weights:
             model = model.to_empty(device="cpu")
             model.load_hf_weights(weights)
             model = model.to(device=self.device, dtype=self.dtype)
         else:                                   # dummy weights: drawn on the device, in the target dtype
+            # (under TP every rank draws its shard from the same seed: the ranks' shapes are equal, so
+            # the parameters every rank holds whole, such as a router, come out equal; the model is
+            # not TP=1's, which speed work does not need)
             model = model.to_empty(device=self.device).to(self.dtype)
             _init_random(model, config.seed)
         del weights
