@@ -66,7 +66,8 @@ _STORE_COUNTERS = {
 }
 _STORE_DECISIONS = {"fetch_decisions": "fetch", "recompute_decisions": "recompute"}
 # spans found by content across replicas (segment_store_spans): records by outcome
-_STORE_SPANS = {"span_records_published": "published", "span_installed": "installed", "span_rejected": "rejected"}
+_STORE_SPANS = {"span_records_published": "published", "span_installed": "installed", "span_rejected": "rejected",
+                "span_missing": "missing"}
 
 
 @dataclass
@@ -140,8 +141,12 @@ class ServerMetrics:
         self._store_decisions = {field: decisions.labels(model_name, d) for field, d in _STORE_DECISIONS.items()}
         spans = Counter(_PREFIX + "segment_store_span_records",
                         "Records of spans found by content (segment_store_spans): published with their anchors, "
-                        "installed after the token check, or rejected by it.", lbl + ["outcome"], registry=r)
+                        "installed after the token check, rejected by it, or missing from the store (evicted, "
+                        "lost).", lbl + ["outcome"], registry=r)
         self._store_spans = {field: spans.labels(model_name, o) for field, o in _STORE_SPANS.items()}
+        self._store_spans["span_refs_removed"] = Counter(
+            _PREFIX + "segment_store_span_refs_removed", "Stale references removed from the anchor index "
+            "(their record was evicted, lost or corrupt).", lbl, registry=r).labels(model_name)
         self.store_fetch = Counter(_PREFIX + "segment_store_fetch_seconds",
                                    "Seconds of shared-store round trips on the scheduling path.", lbl,
                                    registry=r).labels(model_name)

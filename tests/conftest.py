@@ -303,11 +303,8 @@ def redis_server():
         yield server
 
 
-@pytest.fixture
-def mooncake_master():
-    """A real mooncake_master of this test's own (loopback, free ports, its embedded HTTP metadata server;
-    sparsex/bench/mooncake_server.py), stopped after it. Skips, saying why, where the Mooncake wheel or
-    the Debian libraries it links are not installed (`make install` installs both)."""
+@pytest.fixture(scope="module")
+def _mooncake_master_process():
     from sparsex.bench import mooncake_server as ms
     from sparsex.kvstore.mooncake_tier import import_error
     if not ms.available():
@@ -318,3 +315,18 @@ def mooncake_master():
         pytest.skip(reason)
     with ms.MooncakeMaster() as master:
         yield master
+
+
+@pytest.fixture
+def mooncake_master(_mooncake_master_process):
+    """A real mooncake_master (loopback, free ports, its embedded HTTP metadata server;
+    sparsex/bench/mooncake_server.py), one process per test module: it holds no object of an earlier
+    test (their clients closed, and their segments left with them), and one that a test killed or
+    paused is started again or resumed here (a restarted master is empty). Skips, saying why, where
+    the Mooncake wheel or the Debian libraries it links are not installed (`make install` installs both)."""
+    master = _mooncake_master_process
+    if master.running:
+        master.resume()
+    else:
+        master.start()
+    yield master

@@ -139,7 +139,7 @@ def test_concurrent_merges_from_two_writers_lose_no_update(tiers, mooncake_maste
     for th in threads:
         th.join()
     assert all(t.flush(30) for t in writers)
-    (got,) = tiers().get_many([key])
+    (got,) = writers[0].get_many([key])
     assert record.decode(got, None).num_encodings == 40
     stats = [t.stats() for t in writers]
     assert all(s.errors == 0 and s.writes_dropped == 0 for s in stats)
@@ -158,16 +158,19 @@ def test_concurrent_merges_from_two_writers_lose_no_update(tiers, mooncake_maste
 def test_payload_gone_between_lookup_and_fetch_is_a_counted_miss(tiers, mooncake_master, redis_server):
     a, b = tiers(), tiers()
     rec = make_record(seed=4)
-    a.put_record(key_of(rec), rec)
+    admin, seen = redis_server.client(), []
+    a.put_record(key_of(rec), rec, on_stored=lambda: seen.append(("stored", admin.exists(key_of(rec)))))
     assert a.flush(5)
-    admin = redis_server.client()
     payload = json.loads(admin.get(key_of(rec)))["p"]
     client = a._client                                    # the store evicts it: the index still names it
     assert client.remove(payload, True) == 0
     assert b.get_many([key_of(rec)]) == [None]
     s = b.stats()
     assert (s.misses, s.stale, s.errors) == (1, 1, 0) and s.up
+    # what follows the drop of the stale entry (the anchor index's removals) runs after it
+    assert b.after_writes(lambda: seen.append(("after the drop", admin.exists(key_of(rec)))))
     assert b.flush(5) and admin.get(key_of(rec)) is None  # the stale entry is dropped
+    assert seen == [("stored", 1), ("after the drop", 0)]
     a.put_record(key_of(rec), rec)                        # and the next writer stores it again
     assert a.flush(5)
     (got,) = b.get_many([key_of(rec)])
@@ -283,7 +286,7 @@ def passages(wiki_texts):
 def replica(master, redis_server, **kw) -> LLM:
     return LLM(cache="sparsex", num_blocks=400, segment_store=master.url(segment="128M", timeout="0.5"),
                segment_index=redis_server.url(), segment_store_fetch="always", min_blend_tokens=0,
-               transparent_segments=False, **{"dtype": "float32", **kw})
+               **{"dtype": "float32", "transparent_segments": False, **kw})
 
 
 def _prompt(eng, head, passages, salt=None):
@@ -365,3 +368,38 @@ def test_master_killed_mid_run_never_fails_a_request(smollm2, mooncake_master, r
     finally:
         mooncake_master.start()                 # a live master lets both clients leave at once
         ea.close(), eb.close()
+
+
+@pytest.mark.model
+def test_a_span_one_replica_computed_is_blended_by_another_through_mooncake(smollm2, mooncake_master, redis_server,
+                                                                           wiki_texts):
+    """segment_store_spans over mooncake://: the anchors in the Redis index, the payload in Mooncake.
+    Replica a computes a passage inside a one-message prompt; replica b finds it by content inside
+    another, fetches it from Mooncake, verifies and blends it, and answers as a replica that computed
+    the passage itself."""
+    passage = wiki_texts[5][:800]
+
+    def message(i: int, text: str, question: str) -> list[dict]:
+        intro = f"Note {i}: read the passage below with care before you answer. " * 14
+        return [{"role": "user", "content": f"{intro}\n\nPassage:\n{text}\n\nQuestion {i}: {question}"}]
+    first = message(1, passage, "Who is it about?")
+    later = message(3, "Some more words first. " * 5 + passage, "When did it happen?")
+    spans = dict(segment_store_spans=True, transparent_segments=True)
+    a, b = replica(mooncake_master, redis_server, **spans), replica(mooncake_master, redis_server, **spans)
+    local = LLM(cache="sparsex", dtype="float32", num_blocks=400, min_blend_tokens=0)
+    try:
+        a.chat(first, GREEDY, use_tqdm=False)
+        assert a.llm_engine.store.flush() and a.llm_engine.stats().store.span_anchors_published > 20
+        out = b.chat(later, GREEDY, use_tqdm=False)[0]
+        st = b.llm_engine.stats().store
+        assert st.remote_kind == "mooncake" and st.span_installed == 1 and st.span_rejected == 0
+        assert st.remote_hits >= 1 and st.remote_errors == 0
+        assert sum(s.end - s.start for s in out.reused_spans if s.source == "indexed") > 120
+        local.chat(first, GREEDY, use_tqdm=False)            # the positive control: computed here
+        want = local.chat(later, GREEDY, use_tqdm=False)[0]
+        assert out.num_reused_tokens == want.num_reused_tokens > 120
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+        b.llm_engine.check_integrity()
+    finally:
+        for e in (a, b, local):
+            e.llm_engine.close()

@@ -1,9 +1,11 @@
-"""The Redis tier (sparsex/kvstore/redis_tier.py) against a real redis-server (sparsex/bench/redis_server.py), and
-the fetch-or-recompute policy (sparsex/kvstore/fetch_policy.py). No mocks: crashes are SIGKILLs, a hung
-server is a SIGSTOPped one, eviction is the server's own maxmemory policy."""
+"""The Redis tier (sparsex/kvstore/redis_tier.py) against a real redis-server (sparsex/bench/redis_server.py), the
+anchor index's removal of stale references (sparsex/kvstore/anchor_index.py), and the fetch-or-recompute
+policy (sparsex/kvstore/fetch_policy.py). No mocks: crashes are SIGKILLs, a hung server is a SIGSTOPped one,
+eviction is the server's own maxmemory policy, a race is two real clients racing."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import threading
 import time
@@ -14,8 +16,10 @@ import torch
 
 from sparsex.bench import redis_server as rs
 from sparsex.kvstore import record
+from sparsex.kvstore.anchor_index import ANCHOR_TAG, AnchorIndex, record_prefix
 from sparsex.kvstore.fetch_policy import FetchDecision, FetchPolicy
 from sparsex.kvstore.redis_tier import RedisTier, RedisTierStats
+from sparsex.segment.span_index import anchors
 
 pytestmark = pytest.mark.unit
 
@@ -190,6 +194,102 @@ def test_truncated_value_is_rejected_and_deleted(tier, redis_server):
     assert tier.get_many([key]) == [None]
     tier.count_corrupt()                                     # no key: only counted
     assert tier.stats().corrupt == 2
+
+
+@needs_redis
+def test_on_stored_and_after_writes_run_on_the_writer_in_order(tier, redis_server):
+    """What must follow a write (the anchor index's writes) runs after it, and never after a dropped one."""
+    admin, seen = redis_server.client(), []
+    rec = make_record(seed=20)
+    key = key_of(rec)
+    tier.put_record(key, rec, on_stored=lambda: seen.append(("stored", admin.exists(key))))
+    tier.put_record(key, make_record(seed=21), on_stored=lambda: seen.append(("present", admin.exists(key))))
+    tier.count_corrupt(key)                                  # queues the DEL ...
+    assert tier.after_writes(lambda: seen.append(("after the DEL", admin.exists(key))))     # ... this runs after it
+    assert tier.flush(5)
+    assert seen == [("stored", 1), ("present", 1), ("after the DEL", 0)]
+    small = RedisTier(redis_server.url(), max_pending_bytes=100)
+    try:
+        small.put("sparsex:shared:big", b"x" * 200, on_stored=lambda: seen.append("dropped"))
+        assert small.flush(5) and "dropped" not in seen and small.stats().writes_dropped == 1
+    finally:
+        small.close()
+    redis_server.kill()
+    tier.put("sparsex:shared:k", b"v", on_stored=lambda: seen.append("failed"))   # sent, refused: not run
+    assert tier.flush(5) and "failed" not in seen
+    assert not tier.after_writes(lambda: seen.append("down"))                   # down: not queued, not a write
+    assert tier.flush(5) and "down" not in seen and tier.stats().writes_dropped == 1
+
+
+def _anchor_refs(admin, prefix: str, seg: str) -> int:
+    return sum(v.decode().startswith(seg + ":") for k in admin.keys(prefix + ANCHOR_TAG + "*")
+               for v in admin.lrange(k, 0, -1))
+
+
+@needs_redis
+def test_references_to_a_gone_record_are_removed_unless_it_is_back(redis_server):
+    admin = redis_server.client()
+    index = AnchorIndex(redis_server.url())
+    tokens = [np.random.default_rng(i).integers(0, 30000, 200, dtype=np.int32) for i in range(2)]
+    keys = [record.record_key(t, None, FP, torch.float32) for t in tokens]
+    prefix, seg = record_prefix(keys[0])
+    try:
+        for key, toks in zip(keys, tokens):
+            admin.set(key, b"record")
+            index.publish(key, toks)
+        hashes = anchors(tokens[0])[1].tolist()
+        found = index.lookup(prefix, hashes)
+        followed = [(h, r) for h, refs in zip(hashes, found) for r in refs if r.segment_hash == seg]
+        assert len(followed) == len(hashes) > 10 and _anchor_refs(admin, prefix, seg) == len(hashes)
+        assert index.forget(keys[0], followed) == 0                  # the record is there: nothing removed
+        assert index.stats().kept_refs == len(followed) and _anchor_refs(admin, prefix, seg) == len(hashes)
+        admin.delete(keys[0])                                         # evicted
+        half = followed[: len(followed) // 2]                         # the anchors one prompt followed
+        assert index.forget(keys[0], half) == len(half)
+        assert _anchor_refs(admin, prefix, seg) == len(hashes) - len(half)
+        other = _anchor_refs(admin, prefix, record_prefix(keys[1])[1])
+        assert other == len(anchors(tokens[1])[1])                   # another record's references stay
+        s = index.stats()
+        assert (s.forgotten_records, s.removed_refs, s.errors) == (1, len(half), 0)
+    finally:
+        index.close()
+
+
+@needs_redis
+def test_a_record_stored_again_during_a_removal_keeps_its_references(redis_server):
+    """A replica finds a record gone and removes its references while another stores it again (the
+    tier's order: the record, then its anchors): wherever the record ends up present, its references are
+    there too (WATCH on the record aborts a removal that a concurrent store overtakes)."""
+    admin = redis_server.client()
+    toks = np.random.default_rng(7).integers(0, 30000, 64, dtype=np.int32)
+    key = record.record_key(toks, None, FP, torch.float32)
+    prefix, seg = record_prefix(key)
+    hashes = anchors(toks)[1].tolist()
+    publisher, remover = AnchorIndex(redis_server.url()), AnchorIndex(redis_server.url())
+    store = redis_server.client()
+    try:
+        publisher.publish(key, toks)
+        followed = [(h, r) for h, refs in zip(hashes, publisher.lookup(prefix, hashes)) for r in refs]
+        for _ in range(400):
+            admin.delete(key)                                        # evicted, its references still there
+            go = threading.Barrier(2)
+
+            def store_again():
+                go.wait()
+                time.sleep(random.uniform(0, 0.0004))                 # either may go first
+                store.set(key, b"record")
+                publisher.publish(key, toks)
+            th = threading.Thread(target=store_again)
+            th.start()
+            go.wait()
+            remover.forget(key, followed)
+            th.join()
+            assert admin.exists(key) and _anchor_refs(admin, prefix, seg) == len(hashes)
+        s = remover.stats()
+        print("removals", s.forgotten_records, "kept", s.kept_refs // len(followed))
+        assert s.errors == 0 and s.forgotten_records + s.kept_refs // len(followed) == 400
+    finally:
+        publisher.close(), remover.close()
 
 
 @needs_redis

@@ -13,7 +13,16 @@ and offset is the anchor's k-gram start in the record. The key carries the tenan
 tenant's prompt never looks the anchor up, and a Redis ACL `~sparsex:<tenant>:*` confines it), the
 model, the KV dtype and the layout version (a replica of another model or layout never meets it).
 A record's anchors go in one pipeline (LREM + LPUSH + LTRIM per anchor: no duplicate, capped), sent
-by the segment store's writer thread after the record.
+by the tier's writer thread once the record is in the store (`put_record(on_stored=...)`), so no
+anchor is published for a record whose write was dropped.
+
+A reference outlives its record when the store evicts the record (allkeys-lru), loses its payload
+(Mooncake) or drops it as corrupt. The replica whose fetch finds that out removes the references it
+followed (`forget`: LREM per anchor list it looked up), only if the record is still absent at that
+moment: WATCH the record key, EXISTS, then MULTI/LREM/EXEC, so a record another replica stored again
+meanwhile (a concurrent SET aborts the EXEC) keeps its references. Records carry no TTL, and neither
+do the lists: both go by the server's eviction, a list holds at most MAX_REFS references, and a stale
+one costs one missed fetch before it is removed.
 
 A replica looks a prompt's stretches that no local source serves up in one pipeline (LRANGE per
 anchor), then fetches the candidate records and verifies their token ids against the prompt at the
@@ -23,6 +32,7 @@ client never raises for server trouble: an error is counted, the index is marked
 """
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -36,6 +46,7 @@ from sparsex.segment.span_index import MAX_REFS, anchors
 from sparsex.store_urls import parse_redis_url as parse_url
 from sparsex.store_urls import redact as _redact
 
+log = logging.getLogger(__name__)
 
 ANCHOR_TAG = "a:"
 
@@ -46,6 +57,11 @@ class AnchorRef:
     offset: int                # the anchor's k-gram start in the record's tokens
     length: int                # the record's tokens
 
+    @property
+    def value(self) -> str:
+        """The list element this reference is stored as."""
+        return f"{self.segment_hash}:{self.offset}:{self.length}"
+
 
 @dataclass(frozen=True)
 class AnchorIndexStats:
@@ -55,7 +71,10 @@ class AnchorIndexStats:
     looked_up_anchors: int = 0
     found_refs: int = 0            # (record, offset) references returned
     errors: int = 0
-    dropped: int = 0               # publications not sent: index down or failed
+    dropped: int = 0               # publications and removals not sent: index down or failed
+    forgotten_records: int = 0     # records found gone whose references were removed (forget)
+    removed_refs: int = 0          # references removed from anchor lists
+    kept_refs: int = 0             # references forget left: their record was in the store again
     up: bool = True
 
 
@@ -78,8 +97,10 @@ class AnchorIndex:
                                             retry=Retry(NoBackoff(), 0), health_check_interval=0)
         self._lock = threading.Lock()
         self._c = {"published_records": 0, "published_anchors": 0, "lookups": 0, "looked_up_anchors": 0,
-                   "found_refs": 0, "errors": 0, "dropped": 0}
+                   "found_refs": 0, "errors": 0, "dropped": 0, "forgotten_records": 0, "removed_refs": 0,
+                   "kept_refs": 0}
         self._health = Backoff(f"anchor index {self.where}", reconnect_s)
+        self._refusals: set[str] = set()        # kinds of command the server refused (logged once each)
 
     def _is_down(self) -> bool:
         return self._health.down
@@ -101,7 +122,7 @@ class AnchorIndex:
         try:
             with self._client.pipeline(transaction=False) as pipe:
                 for h, off in zip(hashes.tolist(), pos.tolist()):
-                    key, value = f"{prefix}{ANCHOR_TAG}{h:016x}", f"{seg}:{off}:{n}"
+                    key, value = f"{prefix}{ANCHOR_TAG}{h:016x}", AnchorRef(seg, off, n).value
                     pipe.lrem(key, 0, value)
                     pipe.lpush(key, value)
                     pipe.ltrim(key, 0, MAX_REFS - 1)
@@ -148,6 +169,56 @@ class AnchorIndex:
             self._c["looked_up_anchors"] += len(hashes)
             self._c["found_refs"] += sum(len(r) for r in out)
         return out
+
+    def forget(self, record_key: str, refs: list[tuple[int, AnchorRef]]) -> int:
+        """The record `record_key` was not in the store (evicted, its payload lost, dropped as corrupt):
+        remove `refs` ((anchor hash, reference) pairs: those a lookup followed to it) from their anchor
+        lists, in one transaction that runs only if the record is still absent (WATCH, EXISTS, then
+        MULTI, LREM per reference, EXEC: a replica that stores it again meanwhile aborts it). Returns the
+        references removed; never raises."""
+        if not refs:
+            return 0
+        if self._is_down():
+            with self._lock:
+                self._c["dropped"] += 1
+            return 0
+        prefix, _ = record_prefix(record_key)
+        try:
+            with self._client.pipeline(transaction=True) as pipe:
+                pipe.watch(record_key)
+                if pipe.exists(record_key):
+                    pipe.unwatch()
+                    removed = None                  # stored again: its references are good
+                else:
+                    pipe.multi()
+                    for h, ref in refs:
+                        pipe.lrem(f"{prefix}{ANCHOR_TAG}{h:016x}", 0, ref.value)
+                    removed = sum(pipe.execute())
+        except redis.WatchError:
+            removed = None                          # written meanwhile: not ours to judge
+        except redis.ResponseError as e:            # refused (an ACL without WATCH or LREM): the index stays up
+            with self._lock:
+                self._c["errors"] += 1
+                self._c["dropped"] += 1
+                first = "forget" not in self._refusals
+                self._refusals.add("forget")
+            if first:
+                log.warning("anchor index %s: removal of stale references refused by the server (%s); "
+                            "counted, the index stays up", self.where, e)
+            return 0
+        except (redis.RedisError, OSError) as e:
+            self._failed("anchor removal", e)
+            with self._lock:
+                self._c["dropped"] += 1
+            return 0
+        with self._lock:
+            self._health.succeeded()
+            if removed is None:
+                self._c["kept_refs"] += len(refs)
+                return 0
+            self._c["forgotten_records"] += 1
+            self._c["removed_refs"] += removed
+        return removed
 
     def stats(self) -> AnchorIndexStats:
         with self._lock:

@@ -29,6 +29,8 @@ payload is gone (evicted by Mooncake, lost with a restarted master or with the r
 held it) is a miss counted as `stale`, and the entry is removed if it still names that payload.
 
 Reads feed the same latency and bandwidth estimates as the Redis tier (`fetch_policy.FetchPolicy`).
+As there, what must follow a write runs on the writer thread after it (`put_record(on_stored=...)`,
+`after_writes`: the anchor index's writes).
 """
 from __future__ import annotations
 
@@ -436,24 +438,36 @@ class MooncakeTier:
         return self._cost.latency
 
     # ---- writes (write-behind) ----------------------------------------------------------------
-    def _enqueue(self, op: tuple, nbytes: int) -> None:
+    def _enqueue(self, op: tuple, nbytes: int) -> bool:
         with self._lock:
             if self._closed or self._pending_bytes + nbytes > self.max_pending_bytes or (
-                    op[0] != "drop" and (self._payload_health.down or not self._index_ready())):
-                self._c["writes_dropped"] += 1
-                return
+                    op[0] == "call" and not self._index_ready()) or (
+                    op[0] in ("put", "merge") and (self._payload_health.down or not self._index_ready())):
+                self._c["writes_dropped"] += op[0] != "call"
+                return False
             self._pending_bytes += nbytes
             self._pending_ops += 1
         self._queue.put((op, nbytes))
+        return True
 
-    def put(self, key: str, value: bytes, *, only_if_absent: bool = True) -> None:
-        """Queue a write of `value` under `key` (kept if present when only_if_absent); returns at once."""
+    def put(self, key: str, value: bytes, *, only_if_absent: bool = True,
+            on_stored: Callable[[], None] | None = None) -> None:
+        """Queue a write of `value` under `key` (kept if present when only_if_absent); returns at once.
+        `on_stored` runs on the writer thread once the index names a payload for `key` (this one, or
+        the one found present); not if the write is dropped or fails."""
         value = value if isinstance(value, bytes) else bytes(value)
-        self._enqueue(("put", key, value, only_if_absent), len(key) + len(value))
+        self._enqueue(("put", key, value, only_if_absent, on_stored), len(key) + len(value))
 
-    def put_record(self, key: str, record: SegmentRecord, *, only_if_absent: bool = True) -> None:
+    def put_record(self, key: str, record: SegmentRecord, *, only_if_absent: bool = True,
+                   on_stored: Callable[[], None] | None = None) -> None:
         """Queue a write of `record`, encoded by the writer straight into the registered write buffer."""
-        self._enqueue(("put", key, record, only_if_absent), len(key) + record.nbytes + 1024)
+        self._enqueue(("put", key, record, only_if_absent, on_stored), len(key) + record.nbytes + 1024)
+
+    def after_writes(self, fn: Callable[[], None]) -> bool:
+        """Run `fn` on the writer thread once the writes queued before it were sent (the removal of a
+        stale or corrupt entry has landed); False (not run, not counted as a write) while the index is
+        down or the tier closed. `fn` handles its own server trouble."""
+        return self._enqueue(("call", None, fn), _OP_OVERHEAD_BYTES)
 
     def merge(self, key: str, update: Callable[[memoryview | None], bytes | None]) -> None:
         """Queue a compare-and-set: `update(current)` (None: absent; the payload bytes otherwise) gives the
@@ -482,7 +496,9 @@ class MooncakeTier:
                 return
             op, nbytes = item
             try:
-                if op[0] != "drop" and (self._payload_health.down or not self._index_ready()):
+                if op[0] == "call":
+                    self._callback(op[2])
+                elif op[0] != "drop" and (self._payload_health.down or not self._index_ready()):
                     with self._lock:
                         self._c["writes_dropped"] += 1
                 elif not self._send(op):
@@ -506,13 +522,23 @@ class MooncakeTier:
         kind, key = op[0], op[1]
         try:
             if kind == "put":
-                return self._put(key, op[2], op[3])
+                if not self._put(key, op[2], op[3]):
+                    return False
+                if op[4] is not None:
+                    self._callback(op[4])
+                return True
             if kind == "merge":
                 return self._cas(key, op[2])
             return self._drop(key, op[2])
         except (redis.RedisError, OSError) as e:
             self._index_failed(kind.upper(), e)
             return False
+
+    def _callback(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:                         # noqa: BLE001 - the caller's bug: the writer goes on
+            log.exception("Mooncake tier %s: a callback after a write failed", self.where)
 
     def _put_payload(self, key: str, version: int, value: bytes | memoryview | SegmentRecord) -> tuple[str, int] | None:
         """Write `value` under a fresh payload key through the write buffer; (payload key, bytes) or None."""

@@ -2,10 +2,12 @@
 
 Reads are synchronous and batched: `get_many` asks for all of a request's spans in one MGET. Writes
 are write-behind: `put`, `merge` and the DEL of a corrupt value go to a queue that one background
-thread sends, so a slow or dead server never delays a request. The tier never raises for server
-trouble: a connection error, a timeout or a refused command (wrong password, ACL) is counted, the
-tier is marked down for `reconnect_s` (reads return misses at once, writes are dropped and counted)
-and then tried again; redis-py's pool opens a new connection, so a restarted server serves again.
+thread sends, so a slow or dead server never delays a request; what must follow a write runs on that
+thread after it (`put_record(on_stored=...)`, `after_writes`: the anchor index's writes). The tier
+never raises for server trouble: a connection error, a timeout or a refused command (wrong password,
+ACL) is counted, the tier is marked down for `reconnect_s` (reads return misses at once, writes are
+dropped and counted) and then tried again; redis-py's pool opens a new connection, so a restarted
+server serves again.
 
 Timings of the reads feed two estimates the fetch policy (`fetch_policy.py`) weighs against
 recomputing a span: the round-trip latency (EWMA over reads that moved little data) and the
@@ -161,23 +163,34 @@ class RedisTier:
         return self._cost.latency
 
     # ---- writes (write-behind) ----------------------------------------------------------------
-    def _enqueue(self, op: tuple, nbytes: int) -> None:
+    def _enqueue(self, op: tuple, nbytes: int) -> bool:
         with self._lock:
             if self._closed or self._is_down() or self._pending_bytes + nbytes > self.max_pending_bytes:
-                self._c["writes_dropped"] += 1
-                return
+                self._c["writes_dropped"] += op[0] != "call"
+                return False
             self._pending_bytes += nbytes
             self._pending_ops += 1
         self._queue.put((op, nbytes))
+        return True
 
-    def put(self, key: str, value: bytes, *, only_if_absent: bool = True) -> None:
-        """Queue a SET (NX when only_if_absent) and return at once; dropped and counted if the queue is full."""
+    def put(self, key: str, value: bytes, *, only_if_absent: bool = True,
+            on_stored: Callable[[], None] | None = None) -> None:
+        """Queue a SET (NX when only_if_absent) and return at once; dropped and counted if the queue is
+        full. `on_stored` runs on the writer thread once the key holds a value (this one, or the one an
+        NX found); not if the write is dropped or fails."""
         value = value if isinstance(value, bytes) else bytes(value)
-        self._enqueue(("set", key, value, only_if_absent), len(key) + len(value))
+        self._enqueue(("set", key, value, only_if_absent, on_stored), len(key) + len(value))
 
-    def put_record(self, key: str, record: SegmentRecord, *, only_if_absent: bool = True) -> None:
+    def put_record(self, key: str, record: SegmentRecord, *, only_if_absent: bool = True,
+                   on_stored: Callable[[], None] | None = None) -> None:
         """`put` of the encoded record (encoded here, in the caller's thread)."""
-        self.put(key, encode(record), only_if_absent=only_if_absent)
+        self.put(key, encode(record), only_if_absent=only_if_absent, on_stored=on_stored)
+
+    def after_writes(self, fn: Callable[[], None]) -> bool:
+        """Run `fn` on the writer thread once the writes queued before it were sent (a DEL that
+        count_corrupt queued has landed); False (not run, not counted as a write) while the tier is
+        down or closed. `fn` handles its own server trouble."""
+        return self._enqueue(("call", None, fn), _OP_OVERHEAD_BYTES)
 
     def merge(self, key: str, update: Callable[[bytes | None], bytes | None]) -> None:
         """Queue a compare-and-set: the writer WATCHes key, GETs it, writes update(current) in MULTI/EXEC
@@ -200,7 +213,9 @@ class RedisTier:
                 return
             op, nbytes = item
             try:
-                if self._is_down():
+                if op[0] == "call":
+                    self._callback(op[2])
+                elif self._is_down():
                     with self._lock:
                         self._c["writes_dropped"] += 1
                 else:
@@ -240,6 +255,14 @@ class RedisTier:
         with self._lock:
             self._succeeded()
             self._c["bytes_written"] += written
+        if kind == "set" and op[4] is not None:
+            self._callback(op[4])
+
+    def _callback(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:                         # noqa: BLE001 - the caller's bug: the writer goes on
+            log.exception("Redis tier %s: a callback after a write failed", self.where)
 
     def _cas(self, key: str, update: Callable[[bytes | None], bytes | None]) -> int:
         with self._client.pipeline(transaction=True) as pipe:

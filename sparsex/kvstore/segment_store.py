@@ -23,6 +23,9 @@ and what a replica publishes grows by the stretches it reuses by content locally
 only what recurs). A prompt's stretches that no local source serves are looked up there
 (`load_by_content`), the candidate records fetched and verified token by token against the prompt
 at the aligned offset before they are installed; the span search then finds them like any entry.
+A proposed record the store no longer holds, or drops as corrupt, has the references that led to it
+removed from the index (`AnchorIndex.forget`, on the tier's writer thread after the tier's own
+removal), unless another replica stored it again meanwhile.
 
 Fetch or recompute: a remote fetch is taken only when `fetch_policy.FetchPolicy` expects it to be
 cheaper than recomputing the span (bytes / measured store bandwidth + round trip, against tokens /
@@ -77,8 +80,10 @@ class StoreStats:
     span_lookups: int = 0              # prompts whose unserved stretches were looked up in the anchor index
     span_candidates: int = 0           # records the anchors proposed and that were fetched
     span_rejected: int = 0             # fetched candidates whose tokens did not match the prompt where aligned
+    span_missing: int = 0              # records the anchors proposed that the store no longer held (evicted, lost)
     span_installed: int = 0            # verified records installed as entries
     span_installed_tokens: int = 0
+    span_refs_removed: int = 0         # stale references removed from the anchor index (gone or corrupt records)
 
 
 # the most records one prompt's anchor lookup fetches (the best-voted first)
@@ -126,7 +131,8 @@ class SegmentStore:
             from sparsex.kvstore.anchor_index import AnchorIndex
             self.anchors = AnchorIndex(index_url if self.remote_kind == "mooncake" else url)
         self._published: set[str] = set()  # record keys this replica published or installed (not sent again)
-        self._span = {"lookups": 0, "candidates": 0, "rejected": 0, "installed": 0, "installed_tokens": 0}
+        self._span = {"lookups": 0, "candidates": 0, "rejected": 0, "missing": 0, "installed": 0,
+                      "installed_tokens": 0}
         self.policy = FetchPolicy(fetch)
         self.fetch_seconds = 0.0
         self.installed_tokens = 0
@@ -228,9 +234,10 @@ class SegmentStore:
                 kind, key, record = job
                 record.kv = record.kv.cpu()
                 if kind == "put":
-                    self.remote.put_record(key, record, only_if_absent=True)
-                    if self.anchors is not None:
-                        self.anchors.publish(key, record.token_ids)
+                    # the anchors follow the record, once it is in the store (never for a dropped write)
+                    publish = None if self.anchors is None else (
+                        lambda k=key, t=record.token_ids: self.anchors.publish(k, t))
+                    self.remote.put_record(key, record, only_if_absent=True, on_stored=publish)
                 else:
                     self.remote.merge(key, lambda current, r=record: self._merged(current, r))
             except Exception:                       # a bad job must not stop the writer
@@ -373,11 +380,13 @@ class SegmentStore:
         # segment hash -> {alignment (prompt position of its token 0): [votes, first, last anchor position]}
         votes: dict[str, dict[int, list[int]]] = {}
         lengths: dict[str, int] = {}
-        for p, rs in zip(positions, refs):
+        through: dict[str, list] = {}       # segment hash -> the (anchor hash, reference) pairs that name it
+        for p, h, rs in zip(positions, hashes, refs):
             for r in rs:
                 v = votes.setdefault(r.segment_hash, {}).setdefault(p - r.offset, [0, p, p])
                 v[0], v[1], v[2] = v[0] + 1, min(v[1], p), max(v[2], p)
                 lengths[r.segment_hash] = r.length
+                through.setdefault(r.segment_hash, []).append((h, r))
         # an alignment whose anchors span fewer than min_tokens tokens proposes no run worth a fetch (a
         # short phrase every prompt repeats): the payload is not moved for it
         for seg in list(votes):
@@ -403,11 +412,15 @@ class SegmentStore:
             return 0
         values = self.remote.get_many([prefix + seg for seg in wanted])
         self.fetch_seconds += time.perf_counter() - t0
+        read = self.remote.stats().up         # a failed read returns nothing, and proves no record gone
         installed = 0
         for seg, value in zip(wanted, values):
-            if value is None:
-                continue
             key = prefix + seg
+            if value is None:
+                if read:
+                    self._span["missing"] += 1
+                    self._forget(key, through[seg])
+                continue
             t_decode = time.perf_counter()
             try:
                 record = decode(value, cache_salt)
@@ -415,6 +428,7 @@ class SegmentStore:
             except CorruptRecord as e:
                 logger.warning("dropping a corrupt segment record %s: %s", key, e)
                 self.remote.count_corrupt(key)
+                self._forget(key, through[seg])
                 continue
             self._span["candidates"] += 1
             if not any(_verified_run(prompt, record.token_ids, d, intervals) >= min_tokens
@@ -431,6 +445,12 @@ class SegmentStore:
             self._span["installed_tokens"] += record.num_tokens
             self.policy.observe_load(record.nbytes, time.perf_counter() - t_decode)
         return installed
+
+    def _forget(self, key: str, refs: list) -> None:
+        """The anchors proposed the record `key` and the store no longer holds it (or just dropped it as
+        corrupt): remove `refs` from the index on the tier's writer thread, after the tier's own removal
+        of the record (queued before), off the scheduling path."""
+        self.remote.after_writes(lambda: self.anchors.forget(key, refs))
 
     def _check_shape(self, record: SegmentRecord) -> None:
         """CorruptRecord unless the record's K/V fits this engine's KV cache (a record of another model or
@@ -484,10 +504,11 @@ class SegmentStore:
         if self.anchors is not None:
             a = self.anchors.stats()
             st.span_records_published, st.span_anchors_published = a.published_records, a.published_anchors
+            st.span_refs_removed = a.removed_refs
             st.remote_errors += a.errors
             st.remote_up = st.remote_up and a.up
-        st.span_lookups, st.span_candidates, st.span_rejected = (
-            self._span["lookups"], self._span["candidates"], self._span["rejected"])
+        st.span_lookups, st.span_candidates, st.span_rejected, st.span_missing = (
+            self._span["lookups"], self._span["candidates"], self._span["rejected"], self._span["missing"])
         st.span_installed, st.span_installed_tokens = self._span["installed"], self._span["installed_tokens"]
         return st
 
