@@ -248,58 +248,6 @@ def _blend_prompts(eng, wiki_texts):
     return first, second
 
 
-@pytest.mark.model
-@pytest.mark.parametrize("selector", ["sparse_q", "kv_deviation", "query_fused", "chunk_anchor"])
-def test_a_blended_request_keeps_the_same_rows_on_both_ranks_and_matches_tp1(llama_dir, wiki_texts, selector):
-    """Each rank scores with its own heads; the scores are reduced before the top-k, so both ranks
-    keep the same rows (StepBlend checks it on every CPU selection) and the request equals TP=1's.
-    The first request computes the passages twice (merged encodings: a write outside the forward
-    that every rank replays)."""
-    kw = dict(model=llama_dir, cache="sparsex", dtype="float32", num_blocks=POOL, min_blend_tokens=0,
-              transparent_segments=False, full_layers=2, recompute_ratio=0.25, selector=selector)
-    results = {}
-    for tp in (1, 2):
-        llm = LLM(tensor_parallel_size=tp, **kw)
-        try:
-            eng = llm.llm_engine
-            first, second = _blend_prompts(eng, wiki_texts)
-            run_to_completion(eng, first, ONE)
-            # the same passages after another system prompt, computed exactly: merged encodings
-            again = pieces_prompt(eng, ["System: a different opening.\n\n", *_passages(wiki_texts), "\nQ:"],
-                                  [True] * 4 + [False])
-            run_to_completion(eng, again, ONE, reuse={"blend": False})
-            assert max(e.num_encodings for e in eng.segment_index.entries.values()) == 2
-            n = len(second.token_ids)
-            out, dist = run_to_completion(eng, second, GREEDY, distributions_from=n - 8)
-            results[tp] = (out, torch.stack([dist[i] for i in range(n - 8, n)]))
-            eng.check_integrity()
-        finally:
-            _close(llm)
-    (o1, d1), (o2, d2) = results[1], results[2]
-    assert o2.num_reused_tokens == o1.num_reused_tokens > 200
-    assert o2.num_recomputed_tokens == o1.num_recomputed_tokens > 0
-    assert o2.outputs[0].token_ids == o1.outputs[0].token_ids
-    assert ((d2 - d1).norm() / d1.norm()).item() < 1e-4
-
-
-@pytest.mark.model
-def test_selector_all_under_tp2_equals_plain_prefill(llama_dir, wiki_texts):
-    sx = LLM(model=llama_dir, cache="sparsex", dtype="float32", num_blocks=POOL, min_blend_tokens=0,
-             transparent_segments=False, tensor_parallel_size=2)
-    full = LLM(model=llama_dir, cache="none", dtype="float32", num_blocks=POOL)
-    try:
-        first, second = _blend_prompts(sx.llm_engine, wiki_texts)
-        run_to_completion(sx.llm_engine, first, ONE)
-        n = len(second.token_ids)
-        out, got = run_to_completion(sx.llm_engine, second, ONE, reuse={"selector": "all"}, distributions_from=n - 8)
-        _, want = run_to_completion(full.llm_engine, second, ONE, distributions_from=n - 8)
-        assert out.num_reused_tokens > 200 and out.num_recomputed_tokens == out.num_reused_tokens
-        got, want = (torch.stack([d[i] for i in range(n - 8, n)]) for d in (got, want))
-        assert ((got - want).norm() / want.norm()).item() < 1e-4
-    finally:
-        _close(sx, full)
-
-
 # ---- failure: a rank that dies or hangs -------------------------------------------------------
 
 @pytest.mark.model
@@ -438,3 +386,60 @@ def test_serve_with_two_ranks_answers_the_openai_client_and_exits_when_a_rank_di
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---- blending across ranks (last: its engines stay open until the module ends, and a process
+# holds one tensor-parallel group at a time) -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def blend_engines(llama_dir):
+    """A TP=1 and a TP=2 engine with segment reuse, shared by the blending tests (each resets the caches)."""
+    kw = dict(model=llama_dir, cache="sparsex", dtype="float32", num_blocks=POOL, min_blend_tokens=0,
+              transparent_segments=False, full_layers=2, recompute_ratio=0.25)
+    engines = {tp: LLM(tensor_parallel_size=tp, **kw) for tp in (1, 2)}
+    yield engines
+    _close(*engines.values())
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("selector", ["sparse_q", "kv_deviation", "query_fused", "chunk_anchor"])
+def test_a_blended_request_keeps_the_same_rows_on_both_ranks_and_matches_tp1(blend_engines, wiki_texts, selector):
+    """Each rank scores with its own heads; the scores are reduced before the top-k, so both ranks
+    keep the same rows (StepBlend checks it on every CPU selection) and the request equals TP=1's.
+    The passages are computed twice first (merged encodings: a write outside the forward that every
+    rank replays)."""
+    results = {}
+    for tp, llm in blend_engines.items():
+        eng = llm.llm_engine
+        llm.reset_cache()
+        first, second = _blend_prompts(eng, wiki_texts)
+        run_to_completion(eng, first, ONE)
+        # the same passages after another system prompt, computed exactly: merged encodings
+        again = pieces_prompt(eng, ["System: a different opening.\n\n", *_passages(wiki_texts), "\nQ:"],
+                              [True] * 4 + [False])
+        run_to_completion(eng, again, ONE, reuse={"blend": False})
+        assert max(e.num_encodings for e in eng.segment_index.entries.values()) == 2
+        n = len(second.token_ids)
+        out, dist = run_to_completion(eng, second, GREEDY, reuse={"selector": selector}, distributions_from=n - 8)
+        results[tp] = (out, torch.stack([dist[i] for i in range(n - 8, n)]))
+        eng.check_integrity()
+    (o1, d1), (o2, d2) = results[1], results[2]
+    assert o2.num_reused_tokens == o1.num_reused_tokens > 200
+    assert o2.num_recomputed_tokens == o1.num_recomputed_tokens > 0
+    assert o2.outputs[0].token_ids == o1.outputs[0].token_ids
+    assert ((d2 - d1).norm() / d1.norm()).item() < 1e-4
+
+
+@pytest.mark.model
+def test_selector_all_under_tp2_equals_plain_prefill(blend_engines, wiki_texts):
+    one, two = blend_engines[1].llm_engine, blend_engines[2].llm_engine
+    for llm in blend_engines.values():
+        llm.reset_cache()
+    first, second = _blend_prompts(two, wiki_texts)
+    run_to_completion(two, first, ONE)
+    n = len(second.token_ids)
+    out, got = run_to_completion(two, second, ONE, reuse={"selector": "all"}, distributions_from=n - 8)
+    _, want = run_to_completion(one, second, ONE, reuse={"blend": False}, distributions_from=n - 8)   # plain prefill
+    assert out.num_reused_tokens > 200 and out.num_recomputed_tokens == out.num_reused_tokens
+    got, want = (torch.stack([d[i] for i in range(n - 8, n)]) for d in (got, want))
+    assert ((got - want).norm() / want.norm()).item() < 1e-4
