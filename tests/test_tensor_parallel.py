@@ -284,6 +284,36 @@ def test_a_rank_that_hangs_ends_the_step_within_the_timeout(llama_dir):
         _close(llm)
 
 
+@pytest.mark.model
+def test_the_host_tier_moves_every_ranks_shard(llama_dir, wiki_texts):
+    """Entries evicted from a small pool go to the host tier and come back for a later prompt. Rank 0's
+    host tier decides; every other rank spills and installs its own shard with it. Served from the
+    loaded KV as is (selector "none"), TP=2 equals TP=1 only if every rank brought back its shard."""
+    passages = [t[:700] for t in wiki_texts[20:23]]
+    head, q = "System: answer from the passages.\n\n", "\nQuestion: which passage is the oldest? Answer:"
+    results = {}
+    for tp in (1, 2):
+        llm = LLM(model=llama_dir, cache="sparsex", dtype="float32", num_blocks=80, host_kv_cache_memory=64 << 20,
+                  min_blend_tokens=0, transparent_segments=False, tensor_parallel_size=tp)
+        try:
+            eng = llm.llm_engine
+            run_to_completion(eng, pieces_prompt(eng, [head, *passages, q], [True] * 4 + [False]), ONE)
+            # an unrelated long prompt fills the pool: the passages' entries are evicted into host memory
+            run_to_completion(eng, pieces_prompt(eng, [" ".join(wiki_texts[30:36])[:4500]], [False]), ONE)
+            assert eng.stats().store.host_bytes_in > 0
+            p = pieces_prompt(eng, ["Another system prompt, so no prefix hit.\n", *passages[::-1], q], [True] * 4 + [False])
+            n = len(p.token_ids)
+            out, dist = run_to_completion(eng, p, GREEDY, reuse={"selector": "none"}, distributions_from=n - 8)
+            st = eng.stats().store
+            assert st.host_hits >= 1 and st.installed_tokens > 100 and out.num_reused_tokens > 300
+            results[tp] = (out.outputs[0].token_ids, torch.stack([dist[i] for i in range(n - 8, n)]))
+            eng.check_integrity()
+        finally:
+            _close(llm)
+    assert results[2][0] == results[1][0]
+    assert ((results[2][1] - results[1][1]).norm() / results[1][1].norm()).item() < 1e-4
+
+
 # ---- the real Qwen2.5-Coder-0.5B --------------------------------------------------------------
 
 def _qwen_installed() -> bool:

@@ -26,3 +26,6 @@ class DeviceKV:
     # tensor parallelism: told of every merged-encoding write (host arrays src, mean, dst, delta and
     # the weight) after it is made here, so the other ranks make it on their shards too
     on_merge: Callable[[list[np.ndarray], float], None] | None = None
+    # tensor parallelism: told of every host-tier move of rank 0's shard (op "spill" / "install" with the
+    # record key and its slots, "take" / "evict" with the key, "clear"), so the other ranks move theirs
+    on_host: Callable[[str, str | None, np.ndarray | None], None] | None = None

@@ -32,7 +32,7 @@ from sparsex.config import EngineConfig
 from sparsex.engine.model_runner import LaunchedStep, ModelRunner, RequestStepResult
 from sparsex.engine.scheduler import SchedulerOutput
 from sparsex.engine.structured_output import StructuredOutputManager
-from sparsex.engine.tp_step import KVMerge, StepMessage, StepMessageBuilder
+from sparsex.engine.tp_step import HostMove, KVMerge, StepMessage, StepMessageBuilder
 from sparsex.engine.tp_worker import WorkerArgs, init_group, joined_key, loaded_key
 from sparsex.models.loader import LoadedModel
 
@@ -117,11 +117,15 @@ class TensorParallelExecutor:
         self.messages.reset_blend_state()
 
     def device_kv(self) -> DeviceKV:
-        """Rank 0's KV shard; a merged-encoding write made into it is replayed on every rank."""
-        return dataclasses.replace(self.runner.device_kv(), on_merge=self._on_merge)
+        """Rank 0's KV shard; a merged-encoding write or a host-tier move made with it is replayed on
+        every rank."""
+        return dataclasses.replace(self.runner.device_kv(), on_merge=self._on_merge, on_host=self._on_host)
 
     def _on_merge(self, arrays, weight: float) -> None:
-        self.messages.add_merge(KVMerge(*(a.copy() for a in arrays), weight))
+        self.messages.add_kv_op(KVMerge(*(a.copy() for a in arrays), weight))
+
+    def _on_host(self, op: str, key: str | None, slots) -> None:
+        self.messages.add_kv_op(HostMove(op, key, slots))
 
     @property
     def device(self) -> torch.device:

@@ -9,7 +9,9 @@ what `ModelRunner.launch` reads of a step and nothing else:
                           output tokens and block ids the rank does not have yet; the reuse plan of
                           the step that admits a blended request (its hits' spans and block ids)
   per step                the requests that finished; KV writes made outside a forward (merged
-                          encodings, segment/segment_registrar.py); whether to reseed the blend state
+                          encodings, segment/segment_registrar.py; host-tier spills and installs,
+                          kvstore/segment_store.py), in the order rank 0 made them; whether to reseed
+                          the blend state
 
 `StepMessageBuilder` (rank 0) remembers what each rank was sent; `StepMirror` (ranks > 0) keeps a
 `MirrorRequest` per live request and turns each message into the `SchedulerOutput` the local
@@ -71,10 +73,21 @@ class KVMerge:
 
 
 @dataclass(frozen=True)
+class HostMove:
+    """A host-tier move of rank 0's shard (kvstore/segment_store.py) to make with this rank's:
+    "spill" (gather `slots` into the rank's host copy under `key`), "evict" (drop it), "take" (rank 0
+    took the record back: it is installed next, or gone), "install" (write the taken record to `slots`),
+    "clear" (drop every record)."""
+    op: str
+    key: str | None
+    slots: np.ndarray | None
+
+
+@dataclass(frozen=True)
 class StepMessage:
     requests: tuple[RequestDelta, ...] = ()
     finished: tuple[str, ...] = ()
-    kv_merges: tuple[KVMerge, ...] = ()               # applied before the step's forward, in order
+    kv_ops: tuple[KVMerge | HostMove, ...] = ()       # applied before the step's forward, in order
     reset_blend_state: bool = False
     stop: bool = False                                  # the engine is closing: ranks exit
 
@@ -91,11 +104,11 @@ class StepMessageBuilder:
 
     def __init__(self):
         self._sent: dict[str, tuple[object, _Sent]] = {}      # request id -> (request, what was sent)
-        self._merges: list[KVMerge] = []
+        self._kv_ops: list[KVMerge | HostMove] = []
         self._reset = False
 
-    def add_merge(self, merge: KVMerge) -> None:
-        self._merges.append(merge)
+    def add_kv_op(self, op: KVMerge | HostMove) -> None:
+        self._kv_ops.append(op)
 
     def reset_blend_state(self) -> None:
         self._reset = True
@@ -128,8 +141,8 @@ class StepMessageBuilder:
                 query_horizon=req.query_horizon if first else None,
                 plan=None if plan is None else PlanMessage(plan.reuse, tuple(
                     (h.start, h.end, h.start_pos, tuple(b.block_id for b in h.blocks)) for h in plan.hits))))
-        msg = StepMessage(tuple(deltas), finished, tuple(self._merges), self._reset)
-        self._merges, self._reset = [], False
+        msg = StepMessage(tuple(deltas), finished, tuple(self._kv_ops), self._reset)
+        self._kv_ops, self._reset = [], False
         return msg
 
 

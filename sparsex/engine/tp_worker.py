@@ -80,7 +80,7 @@ def main() -> None:
 
 def _serve(a: WorkerArgs) -> None:
     from sparsex.engine.model_runner import ModelRunner
-    from sparsex.engine.tp_step import StepMirror
+    from sparsex.engine.tp_step import HostMove, StepMirror
     from sparsex.layers.triton_rerotate import merge_rerotated_all_layers_torch
     from sparsex.models.loader import load_model
 
@@ -94,6 +94,7 @@ def _serve(a: WorkerArgs) -> None:
     del loaded
     store.set(loaded_key(a.rank), "1")           # rank 0 may send steps
     kv = runner.device_kv()
+    host = HostShards(kv)
     mirror = StepMirror()
     box: list = [None]
     while True:
@@ -103,13 +104,54 @@ def _serve(a: WorkerArgs) -> None:
             break
         if msg.reset_blend_state:
             runner.reset_blend_state()
-        for m in msg.kv_merges:
-            src, mean, dst, delta = kv.upload([m.src, m.mean, m.dst, m.delta])
-            merge_rerotated_all_layers_torch(kv.kv_caches, src, mean, dst, delta, kv.layer_inv_freqs(), m.weight)
+        for op in msg.kv_ops:
+            if isinstance(op, HostMove):
+                host.apply(op)
+            else:
+                src, mean, dst, delta = kv.upload([op.src, op.mean, op.dst, op.delta])
+                merge_rerotated_all_layers_torch(kv.kv_caches, src, mean, dst, delta, kv.layer_inv_freqs(), op.weight)
+        host.end_of_moves()
         sched = mirror.apply(msg)
         if sched.scheduled:
             runner.collect(runner.launch(sched))
     dist.destroy_process_group()
+
+
+class HostShards:
+    """This rank's host copies of the host tier's records (rank 0's `HostTier` decides; this follows its
+    moves): key -> [layers, 2, n, kv_heads, head_dim] on the host, pinned on CUDA."""
+
+    def __init__(self, kv):
+        self.kv = kv
+        self.records: dict[str, torch.Tensor] = {}
+        self.taken: dict[str, torch.Tensor] = {}
+
+    def apply(self, move) -> None:
+        if move.op == "spill":
+            slots = torch.from_numpy(move.slots).to(self.kv.device)
+            shard = torch.stack([torch.stack([c.view(-1, *c.shape[2:]).index_select(0, slots) for c in layer])
+                                 for layer in self.kv.kv_caches])
+            host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=self.kv.device.type == "cuda")
+            self.records[move.key] = host.copy_(shard)
+        elif move.op == "evict":
+            self.records.pop(move.key, None)
+        elif move.op == "take":
+            self.taken[move.key] = self.records.pop(move.key)
+        elif move.op == "install":
+            shard = self.taken.pop(move.key).to(self.kv.device, non_blocking=True)
+            slots = torch.from_numpy(move.slots).to(self.kv.device)
+            for (k_cache, v_cache), layer in zip(self.kv.kv_caches, shard):
+                k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, layer[0])
+                v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, layer[1])
+        elif move.op == "clear":
+            self.records.clear()
+            self.taken.clear()
+        else:
+            raise ValueError(f"unknown host-tier move {move.op!r}")
+
+    def end_of_moves(self) -> None:
+        """A record rank 0 took back but did not install (no free blocks) is gone there: drop it here."""
+        self.taken.clear()
 
 
 if __name__ == "__main__":

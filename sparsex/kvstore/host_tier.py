@@ -21,11 +21,14 @@ class HostTierStats:
 
 
 class HostTier:
-    def __init__(self, capacity_bytes: int, pin: bool = False):
+    def __init__(self, capacity_bytes: int, pin: bool = False, on_evict=None):
+        """`on_evict(key)`: told of each record that leaves to make room (tensor parallelism: the other
+        ranks drop their shard of it)."""
         if capacity_bytes < 0:
             raise ValueError(f"host tier capacity must be >= 0 bytes, got {capacity_bytes}")
         self.capacity = capacity_bytes
         self.pin = pin
+        self._on_evict = on_evict
         self._records: OrderedDict[str, SegmentRecord] = OrderedDict()   # oldest first
         self.used = 0
         self.hits = self.misses = self.bytes_in = self.bytes_out = self.evictions = 0
@@ -41,9 +44,11 @@ class HostTier:
             return False
         self.pop(key)
         while self.used + size > self.capacity:
-            _, old = self._records.popitem(last=False)
+            old_key, old = self._records.popitem(last=False)
             self.used -= old.nbytes
             self.evictions += 1
+            if self._on_evict is not None:
+                self._on_evict(old_key)
         if self.pin and not record.kv.is_pinned():
             record.kv = record.kv.pin_memory()
         self._records[key] = record

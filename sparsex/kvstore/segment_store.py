@@ -115,7 +115,8 @@ class SegmentStore:
         self.kv = kv
         self.fingerprint = model_fingerprint
         self.merge_cap = merge_cap
-        self.host = HostTier(host_bytes, pin=kv.device.type == "cuda") if host_bytes > 0 else None
+        self.host = (HostTier(host_bytes, pin=kv.device.type == "cuda", on_evict=self._host_evicted)
+                     if host_bytes > 0 else None)
         self.remote = None
         self.remote_kind = None
         if url and url.startswith("mooncake://"):
@@ -148,7 +149,16 @@ class SegmentStore:
         """The engine's caches were reset: the host tier starts empty (a shared store is left as it
         is: other replicas use it)."""
         if self.host is not None:
-            self.host = HostTier(self.host.capacity, pin=self.host.pin)
+            self.host = HostTier(self.host.capacity, pin=self.host.pin, on_evict=self._host_evicted)
+            self._tell_host("clear", None, None)
+
+    def _host_evicted(self, key: str) -> None:
+        self._tell_host("evict", key, None)
+
+    def _tell_host(self, op: str, key: str | None, slots: torch.Tensor | None) -> None:
+        """Tensor parallelism: the other ranks make the same host-tier move with their shard."""
+        if self.kv.on_host is not None:
+            self.kv.on_host(op, key, None if slots is None else slots.cpu().numpy())
 
     # ---- keys and device <-> record ------------------------------------------------------------
     def key(self, token_ids, cache_salt: str | None) -> str:
@@ -179,7 +189,10 @@ class SegmentStore:
         # and then pin_memory() is two copies, the first at pageable speed)
         host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=self.host.pin)
         host.copy_(kv)
-        self.host.put(self.key(entry.tokens, entry.cache_salt), self._record(entry, host))
+        key = self.key(entry.tokens, entry.cache_salt)
+        if self.host.put(key, self._record(entry, host)):
+            self._tell_host("spill", key, self._slots(entry.blocks, entry.start_pos, len(entry),
+                                                      entry.start_pos // self.kv.block_size))
 
     def publish(self, entry: SegmentEntry) -> None:
         """A new explicit entry (or, sharing spans, a stretch a blended request computed in full,
@@ -321,6 +334,7 @@ class SegmentStore:
                 record = self.host.get(key)
                 if record is not None and np.array_equal(record.token_ids, np.asarray(toks, dtype=np.int32)):
                     out[i] = (self.host.pop(key), None)
+                    self._tell_host("take", key, None)
         if self.remote is None:
             return out
         wanted = []
@@ -472,6 +486,7 @@ class SegmentStore:
             return None
         blocks = pool.get_new_blocks(last - first + 1)
         slots = self._slots(blocks, record.start_pos, record.num_tokens, first)
+        self._tell_host("install", self.key(record.token_ids.tolist(), record.cache_salt), slots)
         kv = record.kv.to(self.kv.device, non_blocking=True)
         for (k_cache, v_cache), layer in zip(self.kv.kv_caches, kv):
             k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, layer[0])
