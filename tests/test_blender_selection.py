@@ -32,6 +32,7 @@ def _blend(seg_lens: list[int], reuse: ReuseConfig, seed: int) -> _SeqBlend:
 def _step_blend() -> StepBlend:
     bl = StepBlend.__new__(StepBlend)      # the selection needs no forward context, model or pool
     bl._gen = torch.Generator().manual_seed(0)
+    bl._reduce, bl._same_rows = (lambda deviation, mass: (deviation, mass)), None     # one rank
     return bl
 
 
