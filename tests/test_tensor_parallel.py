@@ -285,6 +285,29 @@ def test_a_rank_that_hangs_ends_the_step_within_the_timeout(llama_dir):
 
 
 @pytest.mark.model
+def test_chunked_prefill_preemption_and_prefix_caching_under_tp2_change_nothing(llama_dir, wiki_texts):
+    """A pool too small for the batch (preemption by recompute: a request's blocks are replaced, and
+    its table is sent again), prompts chunked over steps, and prefix caching on and off: TP=2's greedy
+    tokens are TP=1's with prefix caching off."""
+    batch = [wiki_texts[i][:500] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    one = LLM(model=llama_dir, cache="none", dtype="float32", num_blocks=POOL)
+    want = [o.outputs[0].token_ids for o in one.generate(batch, params, use_tqdm=False)]
+    _close(one)
+    tight = LLM(model=llama_dir, cache="prefix", dtype="float32", num_blocks=24, max_num_batched_tokens=48,
+                tensor_parallel_size=2)
+    try:
+        got = [o.outputs[0].token_ids for o in tight.generate(batch, params, use_tqdm=False)]
+        assert tight.llm_engine.scheduler.num_preemptions > 0
+        assert got == want
+        again = [o.outputs[0].token_ids for o in tight.generate(batch[:2], params, use_tqdm=False)]
+        assert again == want[:2]                                  # prefix-cache hits on every rank's shard
+        tight.llm_engine.check_integrity()
+    finally:
+        _close(tight)
+
+
+@pytest.mark.model
 def test_the_host_tier_moves_every_ranks_shard(llama_dir, wiki_texts):
     """Entries evicted from a small pool go to the host tier and come back for a later prompt. Rank 0's
     host tier decides; every other rank spills and installs its own shard with it. Served from the
