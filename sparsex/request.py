@@ -38,8 +38,23 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
+class TokenCounts:
+    """`num_prompt_tokens` and `num_tokens` of anything with `prompt_token_ids` and `output_token_ids`
+    (a request, or a tensor-parallel rank's copy of one: engine/tp_step.py)."""
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
 @dataclass(eq=False)
-class Request:
+class Request(TokenCounts):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -104,14 +119,6 @@ class Request:
         """Reads and writes the approximate prefix chain (see cache/kv_cache_manager.py)."""
         return (self.reuse is not None and self.reuse.approx_prefix and self.reuse.blend
                 and self.reuse.selector != "all")
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -18,12 +18,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture
 def serve_process():
+    proc, url, _ = start_serve(["--port", "0", "--cache", "prefix", "--num-blocks", "64", "--max-model-len", "512",
+                                "--served-model-name", "tiny", "--api-key", "k", "--torch-threads", "1",
+                                "--log-level", "info"])
+    yield proc, url
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def start_serve(args: list[str]) -> tuple[subprocess.Popen, str, list[str]]:
+    """`sparsex serve ARGS` from this checkout: (process, its URL once uvicorn listens, its log lines
+    from then on, read by a thread so a full pipe never blocks the server)."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sparsex.entrypoints.serve_cli", "--port", "0", "--cache", "prefix",
-         "--num-blocks", "64", "--max-model-len", "512", "--served-model-name", "tiny", "--api-key", "k",
-         "--torch-threads", "1", "--log-level", "info"],
-        cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "sparsex.entrypoints.serve_cli", *args],
+                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     url = None
     deadline = time.monotonic() + 300           # a hang guard for model loading, not a timing check
     for line in proc.stderr:
@@ -32,13 +41,13 @@ def serve_process():
             url = m.group(1)
             break
         assert time.monotonic() < deadline
-    assert url, "server did not start"
-    # keep reading its log so a full pipe can never block the server
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-    yield proc, url
-    if proc.poll() is None:
+    if url is None:
         proc.kill()
         proc.wait()
+        raise AssertionError("server did not start")
+    log: list[str] = []
+    threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+    return proc, url, log
 
 
 @pytest.mark.model

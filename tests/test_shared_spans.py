@@ -92,6 +92,17 @@ def _refs_to(client, record_key: str) -> int:
                for v in client.lrange(k, 0, -1))
 
 
+def _published(redis_server, passage):
+    """Replica A published the passage's record (and its anchors); B is a second replica on the same
+    Redis. Returns (a, b, an admin client, the record key, how many references name it)."""
+    a, b = replica(redis_server.url()), replica(redis_server.url())
+    _chat(a, _first(passage))
+    assert a.llm_engine.store.flush()
+    admin = redis_server.client()
+    (key,) = _records(admin)
+    return a, b, admin, key, _refs_to(admin, key)
+
+
 def test_a_passage_one_replica_computed_is_blended_by_another(smollm2, redis_server, passage, computed_here):
     a, b = replica(redis_server.url()), replica(redis_server.url())
     _chat(a, _first(passage))
@@ -172,12 +183,7 @@ def test_a_record_gone_or_corrupt_at_fetch_is_recomputed_and_its_references_remo
     fails its checksum (one byte flipped; a truncated one fails the same check, tests/test_redis_tier.py):
     the request is computed (plain prefill's answer), a counter rises, and the references the lookup
     followed to it are removed."""
-    a, b = replica(redis_server.url()), replica(redis_server.url())
-    _chat(a, _first(passage))
-    assert a.llm_engine.store.flush()
-    admin = redis_server.client()
-    (key,) = _records(admin)
-    refs = _refs_to(admin, key)
+    a, b, admin, key, refs = _published(redis_server, passage)
     assert refs > 20
     if fault == "evicted":
         admin.delete(key)                                   # what allkeys-lru does; the anchors stay
@@ -207,12 +213,7 @@ def test_a_hung_store_times_out_and_the_request_is_recomputed(smollm2, redis_ser
     """Redis stops answering (SIGSTOP) after a replica published the passage: another replica's request
     waits one timeout per client, is computed (plain prefill's answer), counts the errors and removes
     no reference; once the server answers again (and reconnect_s passed) the replica serves again."""
-    a, b = replica(redis_server.url()), replica(redis_server.url())
-    _chat(a, _first(passage))
-    assert a.llm_engine.store.flush()
-    admin = redis_server.client()
-    (key,) = _records(admin)
-    refs = _refs_to(admin, key)
+    a, b, admin, key, refs = _published(redis_server, passage)
     redis_server.pause()                                    # SIGSTOP: the port is open, nothing answers
     try:
         t0 = time.perf_counter()

@@ -26,6 +26,7 @@ from sparsex.layers.tensor_parallel import TensorParallelGroup, check_divisible
 from sparsex.models.model_config import ModelConfig
 from sparsex.models.shapes import param_shapes
 from sparsex.models.weight_sharding import local_config, shard_hf_weights
+from test_loader import _qwen_installed
 from test_model_families import FAMILIES, build_family
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
@@ -339,15 +340,6 @@ def test_the_host_tier_moves_every_ranks_shard(llama_dir, wiki_texts):
 
 # ---- the real Qwen2.5-Coder-0.5B --------------------------------------------------------------
 
-def _qwen_installed() -> bool:
-    from sparsex.models import packaged_gguf
-    try:
-        packaged_gguf.qwen_coder_split_gguf()
-    except ValueError:
-        return False
-    return True
-
-
 @pytest.mark.model
 @pytest.mark.slow
 @pytest.mark.skipif(not _qwen_installed(), reason="optional model not installed: qwen2.5-coder-0.5b-instruct")
@@ -387,31 +379,14 @@ def _children(pid: int) -> list[int]:
 
 @pytest.mark.model
 def test_serve_with_two_ranks_answers_the_openai_client_and_exits_when_a_rank_dies(llama_dir):
-    import re
-    import subprocess
-    import sys
-    import threading
-
     import openai
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sparsex.entrypoints.serve_cli", llama_dir, "--port", "0",
-         "--cache", "sparsex", "--dtype", "float32", "--num-blocks", str(POOL), "--served-model-name", "tiny",
-         "--tensor-parallel-size", "2", "--torch-threads", "1", "--log-level", "info"],
-        cwd=root, env=env, stderr=subprocess.PIPE, text=True)
+    from test_server_cli import start_serve
+
+    proc, url, log = start_serve([llama_dir, "--port", "0", "--cache", "sparsex", "--dtype", "float32",
+                                  "--num-blocks", str(POOL), "--served-model-name", "tiny",
+                                  "--tensor-parallel-size", "2", "--torch-threads", "1", "--log-level", "info"])
     try:
-        url, deadline = None, time.monotonic() + 300        # a hang guard for start-up, not a timing check
-        for line in proc.stderr:
-            m = re.search(r"Uvicorn running on (http://\S+)", line)
-            if m:
-                url = m.group(1)
-                break
-            assert time.monotonic() < deadline
-        assert url, "server did not start"
-        log: list[str] = []
-        threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
         want = LLM(model=llama_dir, cache="prefix", dtype="float32", num_blocks=POOL)
         ref = want.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8,

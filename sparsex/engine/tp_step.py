@@ -27,6 +27,7 @@ import numpy as np
 
 from sparsex.config import ReuseConfig
 from sparsex.engine.scheduler import ScheduledRequest, SchedulerOutput
+from sparsex.request import TokenCounts
 from sparsex.segment.reuse_plan import ReusePlan, ReuseRecord, SpanHit
 
 
@@ -147,7 +148,7 @@ class StepMessageBuilder:
 
 
 @dataclass(eq=False)
-class MirrorRequest:
+class MirrorRequest(TokenCounts):
     """A rank's copy of what the forward reads of a request (sparsex.request.Request's names)."""
     request_id: str
     prompt_token_ids: list[int]
@@ -157,14 +158,6 @@ class MirrorRequest:
     num_computed_tokens: int = 0
     blocks: list = field(default_factory=list)
     reuse_record: ReuseRecord | None = None
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 class StepMirror:

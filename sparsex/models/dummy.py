@@ -17,6 +17,10 @@ DUMMY_PREFIX = "dummy:"
 _TOKENIZER_IDS: dict[str, Any] = {"bos_token_id": 1, "eos_token_id": 2}
 
 # Hugging Face `config.json`-style dicts (read by ModelConfig.from_hf_config).
+# Llama 3.1's RoPE scaling (8B and 70B alike)
+_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192}
+
 DUMMY_SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": {  # Llama-3.1-8B
         "model_type": "llama",
@@ -29,13 +33,7 @@ DUMMY_SHAPES: dict[str, dict[str, Any]] = {
         "head_dim": 128,
         "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
+        "rope_scaling": _LLAMA31_ROPE,
         "max_position_embeddings": 131072,
         "tie_word_embeddings": False,
         "attention_bias": False,
@@ -52,13 +50,7 @@ DUMMY_SHAPES: dict[str, dict[str, Any]] = {
         "head_dim": 128,
         "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
+        "rope_scaling": _LLAMA31_ROPE,
         "max_position_embeddings": 131072,
         "tie_word_embeddings": False,
         "attention_bias": False,
