@@ -23,6 +23,7 @@ A replica publishes to Redis behind its responses (write-behind): a record anoth
 be on its way when the next request arrives, as it would be under back-to-back traffic (`--gap-ms` waits).
 
     .venv/bin/python benchmarks/cluster_nginx.py --requests 32
+    .venv/bin/python benchmarks/cluster_nginx.py --settings spans,one -- --min-blend-tokens 0   # args for every replica
 """
 from __future__ import annotations
 
@@ -157,7 +158,7 @@ def run_setting(setting: str, args: argparse.Namespace, tokenizer, texts: list[s
     t_start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         serve = [args.model, "--dtype", "float32", "--num-blocks", "2000", "--torch-threads", str(args.threads),
-                 "--log-level", "warning"]
+                 "--log-level", "warning", *args.serve_args]
         if shared:
             redis = stack.enter_context(rs.RedisServer())
             serve += ["--segment-store", redis.url(), "--segment-store-spans"]
@@ -233,15 +234,19 @@ HEADER = ("| setting / replica | requests | served from cache / passage tokens t
           "| span records published / installed / rejected |\n|---|---|---|---|---|")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    own, serve_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="Arguments after `--` go to every "
+                                                                             "`sparsex serve`.")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--threads", type=int, default=2, help="torch threads per replica (default 2)")
     ap.add_argument("--gap-ms", type=float, default=0.0, help="pause after each response (default 0: back to back)")
     ap.add_argument("--out", default=None, help="write every request's record here (JSON)")
-    args = ap.parse_args()
+    args = ap.parse_args(own)
+    args.serve_args = serve_args
     settings = args.settings.split(",")
     if unknown := set(settings) - set(SETTINGS):
         ap.error(f"unknown settings {sorted(unknown)}; choose from {SETTINGS}")
