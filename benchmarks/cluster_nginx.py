@@ -85,6 +85,7 @@ class SettingResult:
     requests: list[Sent]
     replicas: list[ReplicaCounters] = field(default_factory=list)
     join_at: int | None = None   # cold join: the first request the second replica could take
+    index: str | None = None     # the shared store's anchor index after the run (shared settings)
     wall_s: float = 0.0
 
 
@@ -136,6 +137,14 @@ def counters(replica) -> ReplicaCounters:
     spans = "sparsex:segment_store_span_records_total"
     return ReplicaCounters(replica.address, int(metric_sum(text, "sparsex:request_success_total")),
                            *(int(metric_sum(text, spans, outcome=o)) for o in ("published", "installed", "rejected")))
+
+
+def index_size(redis) -> str:
+    """The anchor index in Redis: its keys and their MEMORY USAGE, against the records they point at."""
+    c = redis.client()
+    anchors = c.keys("*:a:*")
+    return (f"{len(anchors)} anchor keys, {sum(c.memory_usage(k) for k in anchors):,} bytes (MEMORY USAGE); "
+            f"{len(c.keys('*')) - len(anchors)} other keys (records)")
 
 
 def upstreams(nginx, tags: list[str], timeout_s: float = 10.0) -> dict[str, str]:
@@ -196,6 +205,8 @@ def run_setting(setting: str, args: argparse.Namespace, tokenizer, texts: list[s
         result = SettingResult(setting, [Sent(i, where[f"req-{i}"], ttft, u["prompt_tokens"], c, s,
                                               u["sparsex"]["reuse_skipped"]) for i, ttft, u, c, s in sent],
                                [counters(r) for r in reps], join_at)
+        if shared:
+            result.index = index_size(redis)
     result.wall_s = time.perf_counter() - t_start
     return result
 
@@ -261,7 +272,8 @@ def main(argv: list[str] | None = None) -> None:
     for setting in settings:
         res = run_setting(setting, args, tokenizer, texts, reqs, workdir)
         results.append(res)
-        print(f"{setting}: {res.wall_s:.0f} s wall\n{HEADER}\n{report(res)}\n", flush=True)
+        index = f"; Redis: {res.index}" if res.index else ""
+        print(f"{setting}: {res.wall_s:.0f} s wall{index}\n{HEADER}\n{report(res)}\n", flush=True)
     print(HEADER)
     print("\n".join(report(r) for r in results))
     if args.out:
