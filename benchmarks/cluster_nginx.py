@@ -77,6 +77,8 @@ class ReplicaCounters:
     published: int               # sparsex:segment_store_span_records_total by outcome
     installed: int
     rejected: int
+    fetch_s: float               # sparsex:segment_store_fetch_seconds_total: shared-store round trips on the TTFT path
+    read_mb: float               # sparsex:segment_store_read_bytes_total{tier="redis"}: records fetched
 
 
 @dataclass
@@ -136,7 +138,9 @@ def counters(replica) -> ReplicaCounters:
         text = r.read().decode()
     spans = "sparsex:segment_store_span_records_total"
     return ReplicaCounters(replica.address, int(metric_sum(text, "sparsex:request_success_total")),
-                           *(int(metric_sum(text, spans, outcome=o)) for o in ("published", "installed", "rejected")))
+                           *(int(metric_sum(text, spans, outcome=o)) for o in ("published", "installed", "rejected")),
+                           metric_sum(text, "sparsex:segment_store_fetch_seconds_total"),
+                           metric_sum(text, "sparsex:segment_store_read_bytes_total", tier="redis") / 1e6)
 
 
 def index_size(redis) -> str:
@@ -228,8 +232,12 @@ def report(res: SettingResult) -> str:
         return f"| {name} | {requests} | {s:,} / {c:,} = {sh:.1%} | {ttft_ms(sent)} | {records} |"
 
     reps = res.replicas
-    total = "—" if not any(r.published for r in reps) else \
-        f"{sum(r.published for r in reps)} / {sum(r.installed for r in reps)} / {sum(r.rejected for r in reps)}"
+
+    def records(rs: list[ReplicaCounters]) -> str:
+        return (f"{sum(r.published for r in rs)} / {sum(r.installed for r in rs)} / {sum(r.rejected for r in rs)}; "
+                f"{sum(r.read_mb for r in rs):,.0f} MB in {sum(r.fetch_s for r in rs) * 1e3:,.0f} ms")
+
+    total = records(reps) if any(r.published for r in reps) else "—"
     lines = [row(f"**{res.setting}** ({len(reps)} replica{'s' * (len(reps) > 1)})", res.requests,
                  str(len(res.requests)), total)]
     if res.join_at is not None:
@@ -237,12 +245,13 @@ def report(res: SettingResult) -> str:
     for n, rc in enumerate(reps):
         mine = [x for x in res.requests if x.replica == rc.address]
         lines.append(row(f"replica {'AB'[n]}", mine, f"{rc.requests} (metrics), {len(mine)} (access log)",
-                         f"{rc.published} / {rc.installed} / {rc.rejected}" if total != "—" else "—"))
+                         records([rc]) if total != "—" else "—"))
     return "\n".join(lines)
 
 
 HEADER = ("| setting / replica | requests | served from cache / passage tokens that came back | TTFT mean / p50 (ms) "
-          "| span records published / installed / rejected |\n|---|---|---|---|---|")
+          "| span records published / installed / rejected; MB fetched from Redis in (store round trips on the TTFT path) |"
+          "\n|---|---|---|---|---|")
 
 
 def main(argv: list[str] | None = None) -> None:
