@@ -18,7 +18,8 @@ its own /metrics, and which replica answered a request from nginx's access log. 
 Per setting: the passage tokens that came back (a passage an earlier request carried, on any replica, counted
 in the prompt as the engine tokenized it), those of them served from cache (the exact prefix hit or a reused
 span: the response's usage.sparsex), TTFT (time to the stream's first token event, through nginx), and per
-replica its requests, its own share and its span records published / installed / rejected (/metrics).
+replica its requests, its own share, its span records published / installed / rejected, the MB it fetched from
+Redis and the store's round-trip seconds on its TTFT path (/metrics).
 A replica publishes to Redis behind its responses (write-behind): a record another replica needs may still
 be on its way when the next request arrives, as it would be under back-to-back traffic (`--gap-ms` waits).
 
