@@ -222,6 +222,35 @@ class Nginx:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def reload(self, replicas: list[str], timeout: float = 30.0) -> None:
+        """Balance `replicas` from now on (a replica joins or leaves): the config is rendered again and
+        checked, then SIGHUP, nginx's graceful reload: new workers take the new upstream, the old ones
+        finish their requests and exit. Returns once every worker is a new one, so the next request is
+        balanced over `replicas` (workers are the master's children: /proc/<pid>/task/<pid>/children)."""
+        if not self.alive():
+            raise RuntimeError("nginx is not running")
+        old = set(self._workers())
+        self.replicas = list(replicas)
+        self.prepare()
+        self.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout
+        while True:
+            workers = set(self._workers())
+            if workers and not workers & old:
+                return
+            if not self.alive():
+                raise RuntimeError(f"nginx exited on reload ({self.proc.returncode}):\n" + _tail(self.error_log))
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nginx workers not replaced {timeout:.0f} s after SIGHUP:\n" + _tail(self.error_log))
+            time.sleep(0.05)
+
+    def _workers(self) -> list[int]:
+        path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        try:
+            return [int(p) for p in path.read_text().split()]
+        except OSError:
+            return []
+
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Until GET /health through nginx answers 200 (nginx is up and reaches a healthy replica)."""
         deadline = time.monotonic() + timeout

@@ -181,6 +181,28 @@ def test_conversation_affinity_keeps_a_conversation_on_one_replica(replicas, lb_
         assert cached[0] == 0 and all(c > 0 for c in cached[1:]), (cid, cached)
 
 
+def test_reload_adds_a_replica_to_the_upstream(replicas, workdir):
+    """A replica joining: nginx starts with one replica in its upstream, `Nginx.reload` (SIGHUP) adds the
+    second, and the requests sent after it reach both."""
+    assert all(r.healthy() for r in replicas), "a replica is down (the kill test ran first?)"
+    first, joining = replicas
+    nginx = replicas_mod.Nginx([first.address], _free_port(), workdir / "nginx-reload")
+    nginx.start()
+    try:
+        nginx.wait_ready(timeout=60)
+        before = [served(r) for r in replicas]
+        for i in range(2):
+            assert chat(nginx.url, f"Name a fruit. Request {i}.").status_code == 200
+        assert [served(r) - b for r, b in zip(replicas, before)] == [2, 0]
+        nginx.reload([first.address, joining.address])
+        before = [served(r) for r in replicas]
+        for i in range(4):             # one at a time: least_conn ties, so round robin over both
+            assert chat(nginx.url, f"Name a vegetable. Request {i}.").status_code == 200
+        assert [served(r) - b for r, b in zip(replicas, before)] == [2, 2]
+    finally:
+        nginx.stop(timeout=10)
+
+
 def test_killed_replica_costs_no_request_sent_after_the_kill(replicas, lb, lb_affinity):
     assert all(r.healthy() for r in replicas)
     victim, survivor = replicas
