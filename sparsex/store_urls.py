@@ -30,17 +30,22 @@ def redact(url: str) -> str:
     return parts._replace(netloc=f"{user}:***@{host}").geturl()
 
 
+def _split(url, kind: str, shown: str, form: str):
+    """(urlsplit parts, port) of a non-empty url string; ValueError "bad <kind> url <shown>: ..." else."""
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"bad {kind} url {shown}: {form}")
+    try:
+        parts = urlsplit(url)
+        return parts, parts.port
+    except ValueError as e:
+        raise ValueError(f"bad {kind} url {shown}: {e}") from None
+
+
 def parse_redis_url(url: str) -> dict:
     """Check a `redis://[user:password@]host:port/db` url (or rediss://, optionally ?ssl_...=...);
     ValueError naming it (password hidden) if bad. A password with special characters is %-encoded."""
     shown = redact(url) if isinstance(url, str) else repr(url)
-    if not isinstance(url, str) or not url:
-        raise ValueError(f"bad Redis url {shown}: expected redis://[user:password@]host:port/db")
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as e:
-        raise ValueError(f"bad Redis url {shown}: {e}") from None
+    parts, port = _split(url, "Redis", shown, "expected redis://[user:password@]host:port/db")
     if parts.scheme not in _SCHEMES:
         raise ValueError(f"bad Redis url {shown}: scheme must be one of {', '.join(s + '://' for s in _SCHEMES)}")
     if not parts.hostname:
@@ -68,13 +73,7 @@ def parse_mooncake_url(url: str) -> dict:
     timeout (seconds a store call may take before the tier counts it failed: 1.0)."""
     shown = repr(url)
     form = "expected mooncake://master:port?metadata=http://host:port/metadata&protocol=tcp"
-    if not isinstance(url, str) or not url:
-        raise ValueError(f"bad Mooncake url {shown}: {form}")
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as e:
-        raise ValueError(f"bad Mooncake url {shown}: {e}") from None
+    parts, port = _split(url, "Mooncake", shown, form)
     if parts.scheme != "mooncake":
         raise ValueError(f"bad Mooncake url {shown}: scheme must be mooncake://")
     if not parts.hostname:

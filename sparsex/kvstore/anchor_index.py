@@ -32,7 +32,6 @@ client never raises for server trouble: an error is counted, the index is marked
 """
 from __future__ import annotations
 
-import logging
 import threading
 from dataclasses import dataclass
 
@@ -46,7 +45,6 @@ from sparsex.segment.span_index import MAX_REFS, anchors
 from sparsex.store_urls import parse_redis_url as parse_url
 from sparsex.store_urls import redact as _redact
 
-log = logging.getLogger(__name__)
 
 ANCHOR_TAG = "a:"
 
@@ -100,10 +98,6 @@ class AnchorIndex:
                    "found_refs": 0, "errors": 0, "dropped": 0, "forgotten_records": 0, "removed_refs": 0,
                    "kept_refs": 0}
         self._health = Backoff(f"anchor index {self.where}", reconnect_s)
-        self._refusals: set[str] = set()        # kinds of command the server refused (logged once each)
-
-    def _is_down(self) -> bool:
-        return self._health.down
 
     def _failed(self, what: str, e: BaseException) -> None:
         with self._lock:
@@ -112,7 +106,7 @@ class AnchorIndex:
 
     def publish(self, record_key: str, token_ids: np.ndarray) -> None:
         """Write the anchors of a record (`token_ids`: its tokens) in one pipeline; never raises."""
-        if self._is_down():
+        if self._health.down:
             with self._lock:
                 self._c["dropped"] += 1
             return
@@ -143,7 +137,7 @@ class AnchorIndex:
         if not hashes:
             return []
         empty: list[list[AnchorRef]] = [[] for _ in hashes]
-        if self._is_down():
+        if self._health.down:
             return empty
         try:
             with self._client.pipeline(transaction=False) as pipe:
@@ -178,7 +172,7 @@ class AnchorIndex:
         references removed; never raises."""
         if not refs:
             return 0
-        if self._is_down():
+        if self._health.down:
             with self._lock:
                 self._c["dropped"] += 1
             return 0
@@ -200,11 +194,7 @@ class AnchorIndex:
             with self._lock:
                 self._c["errors"] += 1
                 self._c["dropped"] += 1
-                first = "forget" not in self._refusals
-                self._refusals.add("forget")
-            if first:
-                log.warning("anchor index %s: removal of stale references refused by the server (%s); "
-                            "counted, the index stays up", self.where, e)
+                self._health.refused("removal of stale references", e)
             return 0
         except (redis.RedisError, OSError) as e:
             self._failed("anchor removal", e)

@@ -81,7 +81,6 @@ class RedisTier:
                    "bytes_written": 0, "writes_dropped": 0, "cas_retries": 0}
         self._fetch_seconds = 0.0
         self._health = Backoff(f"Redis tier {self.where}", reconnect_s)
-        self._refusals: set[str] = set()        # kinds of command the server refused (logged once each)
         self._cost = TransferEstimate()         # measured read latency and bandwidth (under the lock)
 
         self._queue: queue.Queue = queue.Queue()
@@ -94,9 +93,6 @@ class RedisTier:
         self._writer.start()
 
     # ---- health -------------------------------------------------------------------------------
-    def _is_down(self) -> bool:
-        return self._health.down
-
     def _failed(self, what: str, e: BaseException) -> None:
         with self._lock:
             self._c["errors"] += 1
@@ -108,11 +104,7 @@ class RedisTier:
         connection is fine and other keys or reads may well succeed."""
         with self._lock:
             self._c["errors"] += 1
-            first = what not in self._refusals
-            self._refusals.add(what)
-        if first:
-            log.warning("Redis tier %s: %s refused by the server (%s: %s); counted, tier stays up",
-                        self.where, what, type(e).__name__, e)
+            self._health.refused(what, e)
 
     def _succeeded(self) -> None:
         self._health.succeeded()
@@ -124,7 +116,7 @@ class RedisTier:
         if not keys:
             return []
         values: list[bytes | None] | None = None
-        if not self._is_down():
+        if not self._health.down:
             t0 = time.perf_counter()
             try:
                 values = self._client.mget(keys)
@@ -165,7 +157,7 @@ class RedisTier:
     # ---- writes (write-behind) ----------------------------------------------------------------
     def _enqueue(self, op: tuple, nbytes: int) -> bool:
         with self._lock:
-            if self._closed or self._is_down() or self._pending_bytes + nbytes > self.max_pending_bytes:
+            if self._closed or self._health.down or self._pending_bytes + nbytes > self.max_pending_bytes:
                 self._c["writes_dropped"] += op[0] != "call"
                 return False
             self._pending_bytes += nbytes
@@ -215,7 +207,7 @@ class RedisTier:
             try:
                 if op[0] == "call":
                     self._callback(op[2])
-                elif self._is_down():
+                elif self._health.down:
                     with self._lock:
                         self._c["writes_dropped"] += 1
                 else:
