@@ -434,8 +434,6 @@ class EngineConfig:
     def _verify_tensor_parallel(self) -> None:
         """What tensor parallelism does not cover: a shared store would need every rank's shard written
         and fetched under one key, all or none (the host tier follows rank 0's moves on every rank)."""
-        if isinstance(self.tensor_parallel_size, bool):
-            raise ValueError(f"tensor_parallel_size must be an int, got {self.tensor_parallel_size!r}")
         if self.segment_store is not None:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} does not support segment_store: "
                              f"a shared record holds one rank's KV, not every rank's shard")

@@ -29,3 +29,14 @@ class DeviceKV:
     # tensor parallelism: told of every host-tier move of rank 0's shard (op "spill" / "install" with the
     # record key and its slots, "take" / "evict" with the key, "clear"), so the other ranks move theirs
     on_host: Callable[[str, str | None, np.ndarray | None], None] | None = None
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """The K/V at `slots` of every layer: [layers, 2, n, kv_heads, head_dim], a copy on the KV's device."""
+        return torch.stack([torch.stack([c.view(-1, *c.shape[2:]).index_select(0, slots) for c in kv])
+                            for kv in self.kv_caches])
+
+    def write(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Write `kv` ([layers, 2, n, kv_heads, head_dim], on the KV's device) at `slots` of every layer."""
+        for (k_cache, v_cache), layer in zip(self.kv_caches, kv):
+            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, layer[0])
+            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, layer[1])

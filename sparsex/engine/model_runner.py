@@ -134,6 +134,7 @@ class ModelRunner:
                                      if isinstance(m, SparseMoeBlock))
         if self.tp is not None:
             self.graphs_capturable = False      # decode graphs with collectives inside are not captured yet
+        self.score_reducer = self._score_reducer()
         self.decode_graphs: DecodeGraphs | None = None
 
     def close(self) -> None:
@@ -274,7 +275,7 @@ class ModelRunner:
         blend = None
         if any(s.reuse_plan is not None for s in sched.scheduled):
             blend = StepBlend(sched, ctx, self.model.layer_inv_freqs(), self.uploader, self.layer_pointers,
-                              self.selection_generator, self._score_reducer(),
+                              self.selection_generator, self.score_reducer,
                               None if self.tp is None else self.tp.same_on_all_ranks)
         t0 = time.perf_counter()
         hidden = self.model(ids_t, md.positions, ctx)                   # [kept_rows, hidden]

@@ -128,9 +128,7 @@ class HostShards:
 
     def apply(self, move) -> None:
         if move.op == "spill":
-            slots = torch.from_numpy(move.slots).to(self.kv.device)
-            shard = torch.stack([torch.stack([c.view(-1, *c.shape[2:]).index_select(0, slots) for c in layer])
-                                 for layer in self.kv.kv_caches])
+            shard = self.kv.gather(torch.from_numpy(move.slots).to(self.kv.device))
             host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=self.kv.device.type == "cuda")
             self.records[move.key] = host.copy_(shard)
         elif move.op == "evict":
@@ -138,11 +136,8 @@ class HostShards:
         elif move.op == "take":
             self.taken[move.key] = self.records.pop(move.key)
         elif move.op == "install":
-            shard = self.taken.pop(move.key).to(self.kv.device, non_blocking=True)
-            slots = torch.from_numpy(move.slots).to(self.kv.device)
-            for (k_cache, v_cache), layer in zip(self.kv.kv_caches, shard):
-                k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, layer[0])
-                v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, layer[1])
+            self.kv.write(torch.from_numpy(move.slots).to(self.kv.device),
+                          self.taken.pop(move.key).to(self.kv.device, non_blocking=True))
         elif move.op == "clear":
             self.records.clear()
             self.taken.clear()

@@ -171,9 +171,7 @@ class SegmentStore:
     def _gather(self, blocks, start_pos: int, n: int, block0: int) -> torch.Tensor:
         """K/V of positions start_pos.. held by `blocks` (blocks[0] is block `block0`), every layer:
         [layers, 2, n, kv_heads, head_dim], a copy on the KV's device."""
-        slots = self._slots(blocks, start_pos, n, block0)
-        return torch.stack([torch.stack([c.view(-1, *c.shape[2:]).index_select(0, slots) for c in kv])
-                            for kv in self.kv.kv_caches])
+        return self.kv.gather(self._slots(blocks, start_pos, n, block0))
 
     def _record(self, entry: SegmentEntry, kv: torch.Tensor) -> SegmentRecord:
         return SegmentRecord(np.frombuffer(entry.tokens, dtype=np.int32).copy(), entry.cache_salt,
@@ -487,10 +485,7 @@ class SegmentStore:
         blocks = pool.get_new_blocks(last - first + 1)
         slots = self._slots(blocks, record.start_pos, record.num_tokens, first)
         self._tell_host("install", self.key(record.token_ids.tolist(), record.cache_salt), slots)
-        kv = record.kv.to(self.kv.device, non_blocking=True)
-        for (k_cache, v_cache), layer in zip(self.kv.kv_caches, kv):
-            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, layer[0])
-            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, layer[1])
+        self.kv.write(slots, record.kv.to(self.kv.device, non_blocking=True))
         entry = index.insert(record.token_ids.tolist(), record.cache_salt, [None] * first + blocks,
                                   record.start_pos, explicit=record.explicit)
         pool.free_blocks(list(reversed(blocks)))          # the entry holds them now
