@@ -53,14 +53,20 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/sparsex demo
 
+# Two pytest-xdist workers, each given whole files (--dist loadfile: a module's fixtures, such as its servers
+# and engines, are built once), each with one torch thread: two workers of one thread use the 2 cores of the CI
+# machine as two threads of one process do for the model tests, and the waits (server start-up, subprocess
+# ranks, store round trips) of one worker overlap the other's work. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 # everything, as CI runs it (.ci/run); the slowest tests are listed at the end
 test: $(STAMP)
-	$(PY) -m pytest -q tests --durations=15
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) tests --durations=15
 
-# One torch thread: these tests run small synthetic tensors, where a second OpenMP thread gains nothing
-# and, on a busy 2-core machine, its barriers wait on a preempted thread (the lane ran 1.7x slower).
+# only the `unit` lane (no model): small synthetic tensors, where a second OpenMP thread gains nothing
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m unit tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) -m unit tests
 
 clean:
 	rm -rf $(VENV)

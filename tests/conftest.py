@@ -211,11 +211,29 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
     TALLY.unit_item = None
 
 
+_COUNTS = ("engines", "model_loads", "shared_loads", "dummy_loads")
+_WORKER_COUNTS: list[dict] = []          # each pytest-xdist worker's tally, on the controller
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if hasattr(session.config, "workeroutput"):                 # a pytest-xdist worker: report to the controller
+        session.config.workeroutput["tally"] = {k: getattr(TALLY, k) for k in _COUNTS}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    tally = getattr(node, "workeroutput", {}).get("tally")
+    if tally is not None:
+        _WORKER_COUNTS.append(tally)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    terminalreporter.write_line(f"engines built: {TALLY.engines} (LLMEngine constructions); "
-                                f"model loads: {TALLY.model_loads} (load_model calls reading weights; "
-                                f"{TALLY.shared_loads} more served by those, {TALLY.dummy_loads} dummy models), "
-                                f"in this process")
+    n = {k: getattr(TALLY, k) + sum(w[k] for w in _WORKER_COUNTS) for k in _COUNTS}
+    where = f"in {len(_WORKER_COUNTS)} worker processes" if _WORKER_COUNTS else "in this process"
+    terminalreporter.write_line(f"engines built: {n['engines']} (LLMEngine constructions); "
+                                f"model loads: {n['model_loads']} (load_model calls reading weights; "
+                                f"{n['shared_loads']} more served by those, {n['dummy_loads']} dummy models), "
+                                f"{where}")
 
 
 @pytest.fixture(autouse=True)
