@@ -10,11 +10,12 @@ from sparsex.arg_types import parse_bytes
 REDIS_SCHEMES = ("redis", "rediss")
 _SCHEMES = REDIS_SCHEMES
 _PROTOCOLS = ("tcp", "rdma")
-_OPTIONS = ("metadata", "protocol", "device", "segment", "buffer", "host", "timeout")
+_OPTIONS = ("metadata", "protocol", "device", "segment", "buffer", "host", "timeout", "part")
 DEFAULT_PORT = 50051                         # mooncake_master's default RPC port
 DEFAULT_SEGMENT_BYTES = 512 << 20
 DEFAULT_BUFFER_BYTES = 16 << 20
 DEFAULT_TIMEOUT_S = 1.0
+DEFAULT_PART_BYTES = 16 << 20
 
 
 def redact(url: str) -> str:
@@ -70,7 +71,9 @@ def parse_mooncake_url(url: str) -> dict:
     naming it if bad. Options: protocol (tcp | rdma), device (RDMA device names, with rdma), segment
     (bytes of this replica's memory in the store: 512M), buffer (the client's own transfer buffer: 16M),
     host (the address other clients reach this one at; default: the one that routes to the master),
-    timeout (seconds a store call may take before the tier counts it failed: 1.0)."""
+    timeout (seconds a store call may take before the tier counts it failed: 1.0), part (the largest
+    object a record's payload is stored as: a larger payload is cut into parts of this size, moved in
+    one batch: 16M)."""
     shown = repr(url)
     form = "expected mooncake://master:port?metadata=http://host:port/metadata&protocol=tcp"
     parts, port = _split(url, "Mooncake", shown, form)
@@ -102,10 +105,14 @@ def parse_mooncake_url(url: str) -> dict:
         segment = parse_bytes(options["segment"]) if "segment" in options else DEFAULT_SEGMENT_BYTES
         buffer = parse_bytes(options["buffer"]) if "buffer" in options else DEFAULT_BUFFER_BYTES
         timeout = float(options.get("timeout", DEFAULT_TIMEOUT_S))
+        part = parse_bytes(options["part"]) if "part" in options else DEFAULT_PART_BYTES
     except ValueError as e:
         raise ValueError(f"bad Mooncake url {shown}: {e}") from None
     if not timeout > 0:
         raise ValueError(f"bad Mooncake url {shown}: timeout must be > 0 seconds, got {timeout}")
+    if part < 1 << 20:
+        raise ValueError(f"bad Mooncake url {shown}: part must be at least 1M, got {options['part']!r}")
     return {"master": f"{parts.hostname}:{port or DEFAULT_PORT}", "master_host": parts.hostname,
             "metadata": metadata, "protocol": protocol, "device": options.get("device", ""),
-            "segment": segment, "buffer": buffer, "host": options.get("host") or None, "timeout": timeout}
+            "segment": segment, "buffer": buffer, "host": options.get("host") or None, "timeout": timeout,
+            "part": part}

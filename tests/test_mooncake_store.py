@@ -32,8 +32,9 @@ def key_of(rec: record.SegmentRecord) -> str:
     return record.record_key(rec.token_ids, rec.cache_salt, FP, rec.kv.dtype)
 
 
-def new_tier(master, redis_server, **kw) -> MooncakeTier:
-    return MooncakeTier(master.url(segment="32M", timeout="0.5"), index_url=redis_server.url(), reconnect_s=0.3, **kw)
+def new_tier(master, redis_server, *, part: str | None = None, **kw) -> MooncakeTier:
+    options = {"segment": "32M", "timeout": "0.5"} | ({"part": part} if part else {})
+    return MooncakeTier(master.url(**options), index_url=redis_server.url(), reconnect_s=0.3, **kw)
 
 
 @pytest.fixture
@@ -58,6 +59,7 @@ def tiers(mooncake_master, redis_server):
     "mooncake://127.0.0.1:50051?metadata=http://h:8080/metadata&device=mlx5_0",  # device without rdma
     "mooncake://127.0.0.1:50051?metadata=http://h:8080/metadata&segment=lots",
     "mooncake://127.0.0.1:50051?metadata=http://h:8080/metadata&timeout=0",
+    "mooncake://127.0.0.1:50051?metadata=http://h:8080/metadata&part=64K",      # parts of at least 1M
     "mooncake://127.0.0.1:50051?metadata=http://h:8080/metadata&colour=red",
     "mooncake://:50051?metadata=http://h:8080/metadata",
 ])
@@ -69,9 +71,11 @@ def test_bad_mooncake_url_is_a_value_error_naming_it(url):
 @pytest.mark.unit
 def test_mooncake_url_options():
     cfg = parse_url("mooncake://10.0.0.7?metadata=http://10.0.0.7:8080/metadata&protocol=rdma&device=mlx5_0,mlx5_1"
-                    "&segment=4G&buffer=64M&host=10.0.0.9&timeout=2.5")
+                    "&segment=4G&buffer=64M&host=10.0.0.9&timeout=2.5&part=32M")
     assert cfg["master"] == "10.0.0.7:50051" and cfg["protocol"] == "rdma" and cfg["device"] == "mlx5_0,mlx5_1"
-    assert (cfg["segment"], cfg["buffer"], cfg["host"], cfg["timeout"]) == (4 << 30, 64 << 20, "10.0.0.9", 2.5)
+    assert (cfg["segment"], cfg["buffer"], cfg["host"], cfg["timeout"], cfg["part"]) == \
+        (4 << 30, 64 << 20, "10.0.0.9", 2.5, 32 << 20)
+    assert parse_url("mooncake://h?metadata=http://h:8080/metadata")["part"] == 16 << 20
 
 
 @pytest.mark.unit
@@ -118,6 +122,48 @@ def test_put_get_round_trip_zero_copy(tiers, mooncake_master, redis_server):
     (again,) = b.get_many([key_of(recs[0])])
     assert torch.equal(record.decode(again, None).kv, recs[0].kv)
     assert b.get_many([]) == []
+
+
+@pytest.mark.unit
+def test_a_payload_larger_than_a_part_is_stored_in_parts_and_each_path_handles_them(tiers, mooncake_master,
+                                                                                   redis_server):
+    """part=1M: a 3.6 MB record is 4 objects (payload#0..#3), written in one batch and read back whole by
+    another replica; a merge reads the parts and replaces them all; one part gone makes the record a
+    stale miss whose entry and remaining parts are removed."""
+    a, b = tiers(part="1M"), tiers(part="1M")
+    rec = make_record(n=28_000, seed=11)                  # 128 bytes a token: 3.6 MB
+    key = key_of(rec)
+    a.put_record(key, rec)
+    assert a.flush(10)
+    entry = json.loads(redis_server.client().get(key))
+    objects = sorted(k for k in mooncake_master.keys() if k.startswith(key + "@"))
+    assert entry["s"] == 1 << 20 and objects == [f"{entry['p']}#{i}" for i in range(4)]
+    (got,) = b.get_many([key])
+    back = record.decode(got, None, copy=False)
+    assert torch.equal(back.kv, rec.kv) and np.array_equal(back.token_ids, rec.token_ids)
+    assert b.stats().bytes_read == entry["n"] == len(record.encode(rec))
+
+    def bump(cur) -> bytes:
+        old = record.decode(cur, None)                    # the merge read every part
+        return record.encode(make_record(n=28_000, seed=11, num_encodings=old.num_encodings + 1))
+    b.merge(key, bump)
+    assert b.flush(10)
+    new = json.loads(redis_server.client().get(key))
+    assert new["v"] == 2 and new["p"] != entry["p"]
+    (got,) = a.get_many([key])
+    assert record.decode(got, None).num_encodings == 2
+    deadline = time.monotonic() + 10                      # the old parts go once their leases end
+    while time.monotonic() < deadline and any(k.startswith(entry["p"]) for k in mooncake_master.keys()):
+        time.sleep(0.2)
+    assert sorted(k for k in mooncake_master.keys() if k.startswith(key + "@")) == \
+        [f"{new['p']}#{i}" for i in range(4)]
+    assert a._client.remove(f"{new['p']}#2", True) == 0   # one part evicted behind the index's back
+    assert b.get_many([key]) == [None] and b.stats().stale == 1
+    assert b.flush(5) and redis_server.client().get(key) is None
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(k.startswith(key + "@") for k in mooncake_master.keys()):
+        time.sleep(0.2)
+    assert not any(k.startswith(key + "@") for k in mooncake_master.keys())
 
 
 @pytest.mark.unit

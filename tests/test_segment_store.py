@@ -35,6 +35,34 @@ def test_record_round_trips_and_rejects_damage(dtype):
 
 
 @pytest.mark.unit
+def test_a_record_of_many_checksum_chunks_round_trips_and_a_flipped_byte_in_any_chunk_is_caught(monkeypatch):
+    """Checksums per chunk, hashed on a thread pool: the digests are each chunk's own (chunks straddle
+    the token ids and the K/V), a reader takes the chunk size from the header, and damage anywhere
+    (first, middle or last chunk) is caught."""
+    import xxhash
+
+    from sparsex.kvstore import record as rec
+    monkeypatch.setattr(rec, "CHECKSUM_CHUNK", 100)
+    r = _record(n=10)                                   # 40 bytes of token ids + 3,840 of K/V: 39 chunks
+    data = encode(r)
+    header = rec.decode_header(data)
+    payload = data[8 + rec._HEADER_LEN.unpack_from(data, 4)[0]:]
+    assert header["checksum_chunk"] == 100 and len(header["checksums"]) == 39
+    assert header["checksums"] == [xxhash.xxh3_64_hexdigest(payload[i:i + 100]) for i in range(0, len(payload), 100)]
+    monkeypatch.setattr(rec, "CHECKSUM_CHUNK", 7)       # the writer's chunk size is in the header
+    back = decode(data, "t")
+    assert torch.equal(back.kv, r.kv) and np.array_equal(back.token_ids, r.token_ids)
+    start = len(data) - len(payload)
+    for at in (start + 3, start + len(payload) // 2, len(data) - 1):
+        bad = bytearray(data)
+        bad[at] ^= 0x10
+        with pytest.raises(CorruptRecord, match="checksum"):
+            decode(bytes(bad), "t")
+    with pytest.raises(CorruptRecord, match="checksum"):
+        decode(data[:-100], "t")                        # a whole chunk missing
+
+
+@pytest.mark.unit
 def test_keys_separate_tenants_models_and_dtypes():
     toks = [5, 6, 7]
     keys = {record_key(toks, s, m, d) for s in (None, "a", "b") for m in ("m1", "m2")
