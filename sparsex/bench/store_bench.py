@@ -73,6 +73,7 @@ class StoreBenchConfig:
     repeats: int = 5
     redis_server: str | None = None      # redis-server binary; default: on PATH or in /usr/bin, /usr/sbin
     mooncake: bool | None = None         # the Mooncake rows; None: where the wheel is installed
+    mooncake_part: str | None = None     # the Mooncake url's part= (largest object of a record); None: its default
     out: str = "store_bench_out"
     command: str | None = None
 
@@ -87,6 +88,9 @@ class StoreBenchConfig:
             raise ValueError(f"sizes lists a size twice: {self.sizes!r}")
         if not isinstance(self.repeats, int) or self.repeats < 1:
             raise ValueError(f"repeats must be an integer >= 1, got {self.repeats!r}")
+        if self.mooncake_part is not None:
+            from sparsex.store_urls import parse_mooncake_url
+            parse_mooncake_url(f"mooncake://h?metadata=http://h:1/metadata&part={self.mooncake_part}")
         if self.redis_server is not None and not (os.path.isfile(self.redis_server)
                                                   and os.access(self.redis_server, os.X_OK)):
             raise ValueError(f"--redis-server {self.redis_server!r} is not an executable file")
@@ -280,7 +284,8 @@ def run_store_bench(cfg: StoreBenchConfig) -> dict:
             master = MooncakeMaster(lease_ms=10_000).start()
             top_value = bpt * top + (1 << 20)
             holder = SegmentHolder(master, (runs + 2) * top_value + (64 << 20)).start()
-            mc_tier = MooncakeTier(master.url(segment=0, timeout=60), index_url=server.url(),
+            part = {} if cfg.mooncake_part is None else {"part": cfg.mooncake_part}
+            mc_tier = MooncakeTier(master.url(segment=0, timeout=60, **part), index_url=server.url(),
                                    pin=cfg.device == "cuda", max_pending_bytes=2 * top_value)
             for _ in range(_SMALL_READS):
                 mc_tier.get_many(["sparsex:bench:absent"])
@@ -543,13 +548,16 @@ def add_store_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     p.add_argument("--mooncake", action=argparse.BooleanOptionalAction, default=None,
                    help="also measure the Mooncake tier against a local mooncake_master (default: where the "
                         "Mooncake wheel is installed)")
+    p.add_argument("--mooncake-part", default=None,
+                   help="the Mooncake url's part= (the largest object a record is stored as, e.g. 64M; default 16M)")
     p.set_defaults(func=run_store_bench_cli)
     return p
 
 
 def run_store_bench_cli(args: argparse.Namespace) -> int:
     cfg = StoreBenchConfig(model=args.model, dtype=args.dtype, device=args.device, sizes=tuple(args.sizes), repeats=args.repeats,
-                           redis_server=args.redis_server, mooncake=args.mooncake, out=args.out,
+                           redis_server=args.redis_server, mooncake=args.mooncake,
+                           mooncake_part=args.mooncake_part, out=args.out,
                            command=command_line("store"))
     cfg.verify()
     set_threads(args.threads)
