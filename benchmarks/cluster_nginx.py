@@ -3,9 +3,10 @@
 The workload of benchmarks/cluster_spans.py (imported from it): each prompt one user message holding k = 4 of 12
 Wikipedia passages (700 characters, Zipf 1.1) and a question; max_tokens=1, streamed. Each replica is its own
 `sparsex serve MODEL --dtype float32 --num-blocks 2000` process (deploy/replicas.py's `Replica`), behind one nginx
-(`Nginx`, deploy/nginx.conf, least_conn). Requests go one at a time (uncontended TTFTs): with no request open on
-any replica least_conn falls back to round robin, so they alternate; each replica's request count is read from
-its own /metrics, and which replica answered a request from nginx's access log. Settings:
+(`Nginx`, deploy/nginx.conf, least_conn). Requests go one at a time by default (uncontended TTFTs): with no request
+open on any replica least_conn falls back to round robin, so they alternate; `--concurrency C` keeps C open at a
+time (least_conn then sends each to the replica with fewer open). Each replica's request count is read from its
+own /metrics, and which replica answered a request from nginx's access log. Settings:
 
   spans              two replicas on one local redis-server (--segment-store redis://... --segment-store-spans)
   islands            two replicas, no store
@@ -24,6 +25,7 @@ A replica publishes to Redis behind its responses (write-behind): a record anoth
 be on its way when the next request arrives, as it would be under back-to-back traffic (`--gap-ms` waits).
 
     .venv/bin/python benchmarks/cluster_nginx.py --requests 32
+    .venv/bin/python benchmarks/cluster_nginx.py --requests 32 --concurrency 4 --settings spans,islands,one
     .venv/bin/python benchmarks/cluster_nginx.py --settings spans,one -- --min-blend-tokens 0   # args for every replica
 """
 from __future__ import annotations
@@ -39,6 +41,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -190,22 +193,34 @@ def run_setting(setting: str, args: argparse.Namespace, tokenizer, texts: list[s
         nginx.wait_ready()
 
         join_at = len(reqs) // 2 if cold else None
-        seen: set[int] = set()
-        sent: list[tuple[int, float, dict, int, int]] = []
-        for i, (idx, msg) in enumerate(reqs):
-            if i == join_at:
+        answers: dict[int, tuple[float, dict]] = {}
+
+        def one(i: int) -> None:
+            answers[i] = stream_chat(nginx.url, reqs[i][1], f"req-{i}")
+            if args.gap_ms:
+                time.sleep(args.gap_ms / 1e3)
+
+        # `concurrency` requests open at a time, sent in order (the cold join waits for the first half to end)
+        phases = [range(join_at), range(join_at, len(reqs))] if cold else [range(len(reqs))]
+        for n, phase in enumerate(phases):
+            if n == 1:
                 reps[1].start()
                 reps[1].wait_healthy()
                 nginx.reload([r.address for r in reps])
-            ttft, usage = stream_chat(nginx.url, msg, f"req-{i}")
+            with ThreadPoolExecutor(args.concurrency) as pool:
+                list(pool.map(one, phase))
+        # a passage "came back" when a request sent before this one carried it (with several requests
+        # open at once, that request may still be computing it: concurrency lowers what can be served)
+        seen: set[int] = set()
+        sent: list[tuple[int, float, dict, int, int]] = []
+        for i, (idx, msg) in enumerate(reqs):
+            ttft, usage = answers[i]
             sx = usage["sparsex"]
             came_back, served = recurring_served(
                 tokenizer, msg, [texts[j] for j in idx if j in seen], sx["prefix_cached_tokens"],
                 [(s["start"], s["end"]) for s in sx["reused_spans"]], usage["prompt_tokens"])
             seen.update(idx)
             sent.append((i, ttft, usage, came_back, served))
-            if args.gap_ms:
-                time.sleep(args.gap_ms / 1e3)
         where = upstreams(nginx, [f"req-{i}" for i in range(len(reqs))])
         result = SettingResult(setting, [Sent(i, where[f"req-{i}"], ttft, u["prompt_tokens"], c, s,
                                               u["sparsex"]["reuse_skipped"]) for i, ttft, u, c, s in sent],
@@ -265,9 +280,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--threads", type=int, default=2, help="torch threads per replica (default 2)")
     ap.add_argument("--gap-ms", type=float, default=0.0, help="pause after each response (default 0: back to back)")
+    ap.add_argument("--concurrency", type=int, default=1,
+                    help="requests open at a time (default 1: one at a time, so least_conn alternates)")
     ap.add_argument("--out", default=None, help="write every request's record here (JSON)")
     args = ap.parse_args(own)
     args.serve_args = serve_args
+    if args.concurrency < 1:
+        ap.error(f"--concurrency must be >= 1, got {args.concurrency}")
     settings = args.settings.split(",")
     if unknown := set(settings) - set(SETTINGS):
         ap.error(f"unknown settings {sorted(unknown)}; choose from {SETTINGS}")

@@ -34,9 +34,10 @@ import xxhash
 from sparsex.cache.block_hash import hash_segment
 
 MAGIC = b"SXKV"
-# Bump when the K/V layout of a record changes (axis order, what the keys' rotation means, ...):
-# records of another layout version live under other keys and are never read.
-KV_LAYOUT_VERSION = 1
+# Bump when the K/V layout or the format of a record changes (axis order, what the keys' rotation means,
+# how it is checksummed, ...): records of another version live under other keys and are never read, so
+# replicas of two versions sharing a store never drop each other's records. 2: checksums per chunk.
+KV_LAYOUT_VERSION = 2
 NAMESPACE = "sparsex"
 _UNSALTED = "shared"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
