@@ -171,6 +171,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if not any(item.get_closest_marker(lane) for lane in LANES):
             item.stash[_NO_LANE] = True
             item.add_marker("unit")
+    # Files with model or bench tests first (a stable sort: each file's tests stay together and in order).
+    # Two pytest-xdist workers take whole files in this order, so the many short unit files fill in at the
+    # end for whichever worker finishes its share first, rather than one long model file ending the run alone.
+    heavy = {item.path for item in items if item.get_closest_marker("model") or item.get_closest_marker("bench")}
+    items.sort(key=lambda item: item.path not in heavy)
 
 
 @pytest.hookimpl(tryfirst=True)
