@@ -44,7 +44,7 @@ def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None
 @pytest.mark.model
 @needs_smollm2
 def test_generate_prints_text_and_stats() -> None:
-    proc = run_cli("generate", "The capital of France is", "--max-tokens", "6", "--threads", "2")
+    proc = run_cli("generate", "The capital of France is", "--max-tokens", "6", "--threads", "1")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     text, _, stats = out.partition("--- stats ---")
@@ -59,7 +59,7 @@ def test_generate_prints_text_and_stats() -> None:
 @needs_smollm2
 def test_generate_chat_with_segment_cache(capsys: pytest.CaptureFixture, keep_threads) -> None:
     assert cli.main(["generate", "Name a planet.", "--chat", "--system", "Answer in one word.", "--cache", "sparsex",
-                     "--dtype", "float32", "--max-tokens", "4", "--threads", "2"]) == 0
+                     "--dtype", "float32", "--max-tokens", "4", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "cache=sparsex" in out and "float32" in out
 
@@ -78,11 +78,11 @@ def test_demo_flags_reach_its_config(monkeypatch: pytest.MonkeyPatch, keep_threa
 @needs_smollm2
 def test_bench_throughput_and_prefill_tiny(tmp_path: Path, capsys: pytest.CaptureFixture, keep_threads) -> None:
     assert cli.main(["bench", "throughput", "--num-prompts", "2", "--input-len", "16", "--output-len", "4",
-                     "--dtype", "float32", "--threads", "2"]) == 0
+                     "--dtype", "float32", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "sparsex" in out and "transformers" in out and "output tok/s" in out
     plot = tmp_path / "prefill.png"
-    assert cli.main(["bench", "prefill", "--lengths", "16,32", "--repeats", "1", "--plot", str(plot), "--threads", "2"]) == 0
+    assert cli.main(["bench", "prefill", "--lengths", "16,32", "--repeats", "1", "--plot", str(plot), "--threads", "1"]) == 0
     out = capsys.readouterr().out
     # one table row per requested length, each with positive timings, and the plot drawn from them
     rows = {int(line.split()[0]): line.split()[1:4] for line in out.splitlines()

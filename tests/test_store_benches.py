@@ -31,7 +31,7 @@ def _table_rows(text: str) -> list[list[str]]:
 @needs_redis
 def test_replica_bench_tiny(tmp_path: Path, capsys: pytest.CaptureFixture, keep_threads) -> None:
     assert cli.main(["bench", "replicas", "--queries", "2", "--join-queries", "1", "--k", "2", "--num-passages", "4",
-                     "--passage-tokens", "150:250", "--prewarm-passes", "1", "--dtype", "float32", "--threads", "2", "--no-progress",
+                     "--passage-tokens", "150:250", "--prewarm-passes", "1", "--dtype", "float32", "--threads", "1", "--no-progress",
                      "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     result = json.loads((tmp_path / "replicas.json").read_text())
@@ -71,7 +71,7 @@ def test_replica_bench_tiny(tmp_path: Path, capsys: pytest.CaptureFixture, keep_
 def test_store_bench_tiny(tmp_path: Path, capsys: pytest.CaptureFixture, keep_threads) -> None:
     """The Mooncake rows come along where the wheel is installed (the bench's default)."""
     mooncake = mooncake_unavailable() is None
-    assert cli.main(["bench", "store", "--sizes", "64", "--repeats", "1", "--dtype", "float32", "--threads", "2", "--out", str(tmp_path)]) == 0
+    assert cli.main(["bench", "store", "--sizes", "64", "--repeats", "1", "--dtype", "float32", "--threads", "1", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     result = json.loads((tmp_path / "store.json").read_text())
     (size,) = result["sizes"]
