@@ -352,20 +352,17 @@ class MooncakeTier:
         try:
             e = json.loads(raw)
             if (isinstance(e, dict) and isinstance(e.get("p"), str) and isinstance(e.get("n"), int) and e["n"] > 0
-                    and isinstance(e.get("s", 1), int) and e.get("s", 1) > 0):
+                    and isinstance(e.get("s"), int) and e["s"] > 0):
                 return e
         except ValueError:
             pass
         return None
 
-    def _new_entry(self, payload: str, n: int, version: int) -> str:
-        return json.dumps({"p": payload, "n": n, "v": version, "s": self.part_bytes})
-
     @staticmethod
     def _parts(entry: dict) -> list[tuple[str, int, int]]:
         """(object key, offset in the payload, bytes) of each object `entry`'s payload is stored as: the
         payload key itself when it fits one part."""
-        n, part = entry["n"], entry.get("s", entry["n"])
+        n, part = entry["n"], entry["s"]
         if n <= part:
             return [(entry["p"], 0, n)]
         return [(f"{entry['p']}#{i}", at, min(part, n - at)) for i, at in enumerate(range(0, n, part))]
@@ -583,9 +580,9 @@ class MooncakeTier:
         except Exception:                         # noqa: BLE001 - the caller's bug: the writer goes on
             log.exception("Mooncake tier %s: a callback after a write failed", self.where)
 
-    def _put_payload(self, key: str, version: int, value: bytes | memoryview | SegmentRecord) -> tuple[str, int] | None:
+    def _put_payload(self, key: str, version: int, value: bytes | memoryview | SegmentRecord) -> dict | None:
         """Write `value` under a fresh payload key (in parts of at most part_bytes) through the write buffer;
-        (payload key, bytes) or None."""
+        its index entry {"p", "n", "v", "s"} or None."""
         if self._client is None and not self._payload_ready():
             return None
         payload = self._payload_key(key, version)
@@ -599,10 +596,8 @@ class MooncakeTier:
                 n = len(value)
                 self._write_buf.ensure(self._client, n)
                 self._write_buf.view(0, n)[:] = value
-            box.append(n)
-            parts = self._parts({"p": payload, "n": n, "s": self.part_bytes})
-            if len(parts) == 1:
-                return self._client.put_from(payload, self._write_buf.ptr, n)
+            box.append({"p": payload, "n": n, "v": version, "s": self.part_bytes})
+            parts = self._parts(box[0])
             rcs = self._client.batch_put_from([k for k, _, _ in parts], [self._write_buf.ptr + at for _, at, _ in parts],
                                               [size for _, _, size in parts])
             failed = [rc for rc in rcs if rc != 0]
@@ -613,29 +608,27 @@ class MooncakeTier:
         try:
             rc = self._writer_io.call(put, _deadline(self.timeout_s, size))
         except (OSError, TimeoutError, _Busy, RuntimeError) as e:
-            self._payload_failed("put_from", e)
+            self._payload_failed("batch_put_from", e)
             return None
         if rc != 0:
-            self._payload_failed("put_from", OSError(f"error {rc}"))
+            self._payload_failed("batch_put_from", OSError(f"error {rc}"))
             return None
         self._payload_ok()
         with self._lock:
-            self._c["bytes_written"] += box[0]
-        return payload, box[0]
+            self._c["bytes_written"] += box[0]["n"]
+        return box[0]
 
     def _put(self, key: str, value, only_if_absent: bool) -> bool:
         if only_if_absent and self._index.exists(key):
             return True                                   # present: nothing to send
-        done = self._put_payload(key, 1, value)
-        if done is None:
+        new = self._put_payload(key, 1, value)
+        if new is None:
             return False
-        payload, n = done
-        entry = self._new_entry(payload, n, 1)
         if only_if_absent:
-            if not self._index.set(key, entry, nx=True):   # another replica won the race: keep its record
-                self._schedule_removal(self._keys({"p": payload, "n": n, "s": self.part_bytes}))
+            if not self._index.set(key, json.dumps(new), nx=True):   # another replica won the race: keep its record
+                self._schedule_removal(self._keys(new))
         else:
-            old = self._entry(self._index.set(key, entry, get=True))
+            old = self._entry(self._index.set(key, json.dumps(new), get=True))
             if old is not None:
                 self._schedule_removal(self._keys(old))
         self._index_ok()
@@ -669,7 +662,7 @@ class MooncakeTier:
             return False
         with self._index.pipeline(transaction=True) as pipe:
             for attempt in range(_CAS_MAX_ATTEMPTS):
-                payload = None
+                written = None
                 try:
                     pipe.watch(key)
                     entry = self._entry(pipe.get(key))
@@ -682,17 +675,16 @@ class MooncakeTier:
                         pipe.reset()
                         return True
                     version = 1 if entry is None else int(entry.get("v", 0)) + 1
-                    done = self._put_payload(key, version, new)
-                    if done is None:
+                    written = self._put_payload(key, version, new)
+                    if written is None:
                         pipe.reset()
                         return False
-                    payload, n = done
                     pipe.multi()
-                    pipe.set(key, self._new_entry(payload, n, version))
+                    pipe.set(key, json.dumps(written))
                     pipe.execute()
                 except redis.WatchError:
-                    if payload is not None:
-                        self._schedule_removal(self._keys({"p": payload, "n": n, "s": self.part_bytes}))
+                    if written is not None:
+                        self._schedule_removal(self._keys(written))
                     with self._lock:
                         self._c["cas_retries"] += 1
                     pipe.reset()

@@ -54,8 +54,8 @@ def _hash_pool() -> ThreadPoolExecutor:
 
 def _digests(parts: list[bytes | memoryview], chunk: int) -> list[str]:
     """xxh3-64 hex digests of the concatenation of `parts`, one per `chunk` bytes (the last may be
-    shorter), hashed on a thread pool when there are several chunks; no part is copied except where
-    a chunk straddles two parts."""
+    shorter), hashed on a thread pool when there are several chunks; nothing is copied (a chunk that
+    straddles two parts is hashed from a view of each)."""
     views = [memoryview(p).cast("B") for p in parts]
     total = sum(len(v) for v in views)
     pieces: list[list[memoryview]] = []
